@@ -1,0 +1,6 @@
+"""paged: PagedAttention from first principles. A small, real inference engine with vLLM's offline API."""
+
+from .engine import LLM, LLMEngine
+from .sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams"]

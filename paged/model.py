@@ -1,0 +1,139 @@
+"""The Llama forward pass over HF weights, reading and writing the paged KV cache (guide §5, §7).
+
+transformers supplies the weights and the rotary table; the attention path is ours. One forward call runs a
+whole engine step: the new tokens of every scheduled sequence, flattened into one [num_tokens] batch (single-token
+decodes first, then prefill chunks), so every matmul sees all of them at once. Attention then splits into a
+decode call (one query per sequence) and a prefill call (a ragged chunk per sequence), both over block tables.
+
+Per layer:  x -> RMSNorm -> fused QKV -> RoPE -> write K,V into the pool -> paged attention -> O
+              -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from . import attention as torch_attention
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the pool and what each sequence attends to."""
+    slot_mapping: torch.Tensor               # int64 [num_tokens]
+    num_decode_tokens: int                   # the first num_decode_tokens tokens are one-token decodes
+    decode_block_tables: torch.Tensor        # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor        # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor       # int32 [num_prefills, max_blocks]
+    prefill_query_start_loc: torch.Tensor    # int32 [num_prefills + 1]
+    prefill_context_lens: torch.Tensor       # int32 [num_prefills]
+
+
+def attention_backend(name: str) -> SimpleNamespace:
+    """The three operations the forward pass needs, from the torch reference or the Triton kernels."""
+    if name == "torch":
+        return SimpleNamespace(write_kv=torch_attention.write_kv, decode=torch_attention.decode_attention,
+                               prefill=torch_attention.prefill_attention)
+    if name == "triton":
+        import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
+        return SimpleNamespace(write_kv=kernels.reshape_and_cache, decode=kernels.paged_decode_attention,
+                               prefill=kernels.paged_prefill_attention)
+    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As LlamaRMSNorm: normalise in fp32, scale in the model's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim]; cos, sin [num_tokens, head_dim] (the two halves repeat, as in HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor   # [hidden]
+    qkv: torch.Tensor          # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o: torch.Tensor            # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor    # [hidden]
+    gate_up: torch.Tensor      # [2 * intermediate, hidden]
+    down: torch.Tensor         # [hidden, intermediate]
+
+
+class PagedLlama:
+    """A Llama (SmolLM2, Llama 2/3, ...) that keeps its KV cache in a paged pool."""
+
+    def __init__(self, hf_model, backend: str = "torch"):
+        config = hf_model.config
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.max_position = config.max_position_embeddings
+        self.backend = attention_backend(backend)
+        self.dtype = hf_model.dtype
+        self.device = hf_model.device
+        body = hf_model.model
+        self.embed_tokens = body.embed_tokens.weight.detach()    # [vocab, hidden]
+        self.final_norm = body.norm.weight.detach()              # [hidden]
+        self.lm_head = hf_model.lm_head.weight.detach()          # [vocab, hidden] (the same tensor when tied)
+        self.layers = []
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(LayerWeights(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
+                o=attn.o_proj.weight.detach(),
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                down=mlp.down_proj.weight.detach()))
+        # The rotary table for every position, computed once by the model's own rotary module (any RoPE variant).
+        with torch.no_grad():
+            positions = torch.arange(self.max_position, device=self.device)[None]
+            cos, sin = body.rotary_emb(self.embed_tokens[:1][None], positions)
+        self.cos, self.sin = cos[0], sin[0]                      # [max_position, head_dim]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] in fp32."""
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]       # [num_tokens, head_dim]
+        hidden = self.embed_tokens[input_ids]                      # [num_tokens, hidden]
+        for index, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, self.eps)
+            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
+            hidden = hidden + F.linear(out.view(num_tokens, q_size), layer.o)
+            x = rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        last = rms_norm(hidden[logits_indices], self.final_norm, self.eps)  # [num_logits, hidden]
+        return F.linear(last, self.lm_head).float()                         # [num_logits, vocab]
+
+    def _attention(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
+        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self.backend.decode(q, key_cache, value_cache, meta.decode_block_tables,
+                                       meta.decode_context_lens, self.scale)
+        prefill = self.backend.prefill(q[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
+                                       meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
+        if num_decode == 0:
+            return prefill
+        decode = self.backend.decode(q[:num_decode], key_cache, value_cache, meta.decode_block_tables,
+                                     meta.decode_context_lens, self.scale)
+        return torch.cat([decode, prefill])

@@ -1,0 +1,77 @@
+"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p (vLLM's names and meanings).
+
+One call samples the next token of every sequence in the step. Rows that ask for a seed draw from their own
+generator, so their text does not depend on which other requests share the batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                        # completions per prompt
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0                # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = -1                   # keep the k most likely tokens; -1 keeps all
+    max_tokens: int = 16              # new tokens at most
+    ignore_eos: bool = False          # keep going past the end-of-sequence token
+    seed: int | None = None           # per-request random seed
+    stop_token_ids: list[int] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (all tokens) or an integer >= 1, got {self.top_k!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Temperature-scaled probabilities with everything outside each row's top-k and top-p set to zero.
+
+    logits [rows, vocab]; temperature, top_p float [rows]; top_k int64 [rows] (vocab for "all").
+    """
+    scaled = logits / temperature[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)                 # [rows, vocab]
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                    # probability of higher-ranked tokens
+    drop = (rank[None, :] >= top_k[:, None]) | (mass_before >= top_p[:, None])  # the top token is always kept
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits).softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator) -> list[int]:
+    """logits [rows, vocab] fp32, one row per sequence; returns one token id per row."""
+    tokens = logits.argmax(dim=-1)                                              # [rows]; right for greedy rows
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        vocab = logits.shape[-1]
+        probs = filter_logits(
+            logits[rows],
+            torch.tensor([params[i].temperature for i in random_rows], device=logits.device),
+            torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows], device=logits.device),
+            torch.tensor([params[i].top_p for i in random_rows], device=logits.device))
+        shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        if shared:
+            picked = torch.multinomial(probs[shared], 1, generator=default_generator)[:, 0]
+            tokens[rows[shared]] = picked
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()

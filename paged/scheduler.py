@@ -1,0 +1,118 @@
+"""The scheduler: which sequences run in the next engine step, and how many tokens each (guide §11, §12).
+
+Every step it fills a token budget (`max_num_batched_tokens`):
+  1. running sequences first, oldest first: one token each when decoding (or the rest of a prompt chunk);
+     if the pool has no block for one of them, the most recently admitted running sequence is preempted
+     (its blocks freed, to be recomputed later) until there is room;
+  2. then waiting sequences in arrival order, admitted while the block manager answers OK and fewer than
+     `max_num_seqs` run. With chunked prefill a prompt may take only part of the remaining budget.
+Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import AllocStatus, BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = False):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}), or some running sequences could never be scheduled")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding + prefilling:  # decodes first, then the running prompts' next chunks
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted a moment ago to make room for an older sequence
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out.preempted):
+                continue
+            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            out.scheduled.append((seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.block_manager.can_allocate(seq.num_computed_tokens + num_new, seq.seq_id) is not AllocStatus.OK:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
+                   preempted: list[Sequence]) -> bool:
+        """Preempt the newest running sequences not yet scheduled this step until seq can hold num_tokens.
+        Returns False if seq itself had to go."""
+        while self.block_manager.can_allocate(num_tokens, seq.seq_id) is not AllocStatus.OK:
+            victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the sequence's blocks; it will prefill prompt + output again."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Free the blocks of sequences that just finished and drop them from the running list."""
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+        self.running = [seq for seq in self.running if not seq.is_finished]
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        self.finish(seqs)

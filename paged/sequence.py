@@ -1,0 +1,105 @@
+"""Requests and sequences (guide §10, §11).
+
+A request is one prompt with its sampling parameters; it owns one sequence per completion (`n` of them).
+A sequence is a growing list of token ids plus how many of them already have K/V in the pool
+(`num_computed_tokens`): the scheduler only ever asks "how many tokens does it still need to compute?", which
+covers a fresh prompt, a chunk of one, a decode step, and a sequence recomputed after preemption.
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index                       # which of the request's n completions
+        self.token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0             # tokens whose K/V are in the pool
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None    # "stop" (EOS or a stop token) or "length"
+        self.generator = generator
+        self.num_preemptions = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.perf_counter seconds) of one request's life."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
