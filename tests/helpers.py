@@ -1,0 +1,35 @@
+"""Small helpers the tests share: a tiny random Llama, random prompts, the empty-pool check."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from paged import LLM
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A random Llama small enough to run hundreds of engine steps in a second (GQA 2:1)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=255, bos_token_id=0, **overrides)
+    return LlamaForCausalLM(config).eval()
+
+
+def make_tiny_llm(model, **kwargs) -> LLM:
+    kwargs.setdefault("num_blocks", 64)
+    kwargs.setdefault("block_size", 8)
+    return LLM(model=model, device="cpu", dtype=torch.float32, **kwargs)
+
+
+def random_prompts(count: int, seed: int = 0, low: int = 1, high: int = 60) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=generator).tolist()
+    return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_pool_empty(llm: LLM) -> None:
+    """Every block is back in the free queue and nobody holds a table."""
+    manager = llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert manager.block_tables == {}
+    assert all(block.ref_count == 0 for block in manager.blocks)

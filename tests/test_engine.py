@@ -1,0 +1,155 @@
+"""The engine on a tiny random Llama: bad input, preemption, chunked prefill, abort, sampling, no leaked block."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+from paged import SamplingParams
+from paged.sampling import filter_logits
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """Greedy outputs of 10 prompts with a roomy pool and no chunking: what every variant must reproduce."""
+    prompts = random_prompts(10, seed=3)
+    llm = make_tiny_llm(tiny_model, num_blocks=256)
+    return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_preemption_by_recompute_keeps_outputs(tiny_model, reference):
+    prompts, expected = reference
+    llm = make_tiny_llm(tiny_model, num_blocks=12, block_size=8)  # 96 slots for ten sequences of up to 80 tokens
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(engine.make_request(prompt, GREEDY))
+    outputs, preemptions = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[int(out.request_id)] = out.outputs[0].token_ids
+        preemptions = max(preemptions, engine.kv_stats()["num_preemptions"])
+    assert preemptions > 0
+    assert [outputs[i] for i in range(len(prompts))] == expected
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("budget", [8, 13, 64])
+def test_chunked_prefill_keeps_outputs(tiny_model, reference, budget):
+    prompts, expected = reference
+    llm = make_tiny_llm(tiny_model, num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                        max_num_seqs=min(budget, 64))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_pool_empty(llm)
+
+
+def test_arrival_order_does_not_change_outputs(tiny_model, reference):
+    prompts, expected = reference
+    order = list(range(len(prompts)))
+    random.Random(0).shuffle(order)
+    llm = make_tiny_llm(tiny_model, num_blocks=256, max_num_seqs=3)
+    outs = llm.generate([prompts[i] for i in order], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [expected[i] for i in order]
+
+
+def test_max_num_seqs_caps_the_running_batch(tiny_model):
+    llm = make_tiny_llm(tiny_model, num_blocks=256, max_num_seqs=2)
+    engine = llm.engine
+    for prompt in random_prompts(5, seed=4):
+        engine.add_request(engine.make_request(prompt, GREEDY))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    assert_pool_empty(llm)
+
+
+def test_abort_frees_blocks_at_once(tiny_model):
+    llm = make_tiny_llm(tiny_model, num_blocks=64)
+    engine = llm.engine
+    ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in random_prompts(3, seed=5)]
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for request_id in ids:
+        engine.abort_request(request_id)
+    assert_pool_empty(llm)
+    assert not engine.has_unfinished_requests()
+
+
+def test_n_completions_and_seeded_sampling(tiny_model):
+    llm = make_tiny_llm(tiny_model, num_blocks=256)
+    prompt = random_prompts(1, seed=6)[0]
+    params = SamplingParams(n=3, temperature=1.0, top_k=20, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0]
+    crowded = llm.generate([prompt] + random_prompts(4, seed=8), params, use_tqdm=False)[0]
+    assert [c.index for c in alone.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in alone.outputs)
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in crowded.outputs]  # seed beats batching
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
+    assert_pool_empty(llm)
+
+
+def test_stop_token_ids_and_max_tokens(tiny_model, reference):
+    prompts, expected = reference
+    stop = expected[0][5]
+    llm = make_tiny_llm(tiny_model, num_blocks=256)
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == expected[0][:expected[0].index(stop) + 1]
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == expected[0][:3]
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    one = torch.ones(1)
+    probs = filter_logits(logits, one, torch.tensor([2]), one)
+    assert (probs[0, 2:] == 0).all() and probs[0, :2].sum().item() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([full[0].item() + 1e-3]))
+    assert (probs[0] > 0).tolist() == [True, True, False, False, False]  # the smallest set reaching top_p
+    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([1e-6]))
+    assert (probs[0] > 0).tolist() == [True, False, False, False, False]  # the top token always survives
+
+
+BAD_PARAMS = [
+    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(temperature=-1.0), "temperature"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD_PARAMS)
+def test_bad_sampling_params_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_engine_settings_are_named(tiny_model):
+    for kwargs, name in [(dict(block_size=12), "block_size"), (dict(block_size=0), "block_size"),
+                         (dict(num_blocks=0), "num_blocks"),
+                         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens")]:
+        with pytest.raises(ValueError, match=name):
+            make_tiny_llm(tiny_model, **kwargs)
+
+
+def test_bad_prompts_raise_and_leave_the_engine_usable(tiny_model, reference):
+    prompts, expected = reference
+    llm = make_tiny_llm(tiny_model, num_blocks=16, block_size=8, max_num_batched_tokens=100)  # 128 slots
+    bad = [
+        ([], SamplingParams(), "empty"),
+        ([1] * 600, SamplingParams(), "max_model_len"),                     # model holds 512
+        ([1] * 120, SamplingParams(max_tokens=20), "max_tokens"),            # 140 tokens > 128-slot pool
+        ([1] * 101, SamplingParams(max_tokens=2), "max_num_batched_tokens"),
+        ([300], SamplingParams(), "vocabulary"),
+        ("text needs a tokenizer", SamplingParams(), "tokenizer"),
+    ]
+    for prompt, params, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([prompts[0], prompt], params, use_tqdm=False)  # the good prompt must not be left queued
+        assert not llm.engine.has_unfinished_requests()
+        assert_pool_empty(llm)
+    outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:3]

@@ -1,0 +1,67 @@
+"""The oracle: greedy token ids from the paged engine equal transformers' `generate` on the same weights."""
+
+import pytest
+import torch
+
+from paged import SamplingParams
+
+from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+
+NEW_TOKENS = 48
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2):
+    from paged import LLM
+    model, tokenizer = smollm2
+    return LLM(model=model, tokenizer=tokenizer, num_blocks=512, block_size=16, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2, smollm2_llm, chat_prompts):
+    """transformers' greedy continuation of each chat prompt, one prompt at a time, EOS ignored."""
+    model, tokenizer = smollm2
+    return [hf_greedy(model, tokenizer(p, add_special_tokens=False)["input_ids"], NEW_TOKENS, stop_at_eos=False)
+            for p in chat_prompts]
+
+
+def test_smollm2_answers_paris(smollm2_llm, chat_prompts):
+    out = smollm2_llm.generate(chat_prompts[0], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_eight_chat_prompts_together_match_transformers(smollm2_llm, chat_prompts, hf_reference):
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = smollm2_llm.generate(chat_prompts, params, use_tqdm=False)
+    assert len({len(o.prompt_token_ids) for o in outs}) == len(chat_prompts)  # all lengths differ
+    for out, expected in zip(outs, hf_reference):
+        assert len(out.outputs[0].token_ids) == NEW_TOKENS
+        assert out.outputs[0].token_ids == expected
+    assert_pool_empty(smollm2_llm)
+
+
+def test_stopping_at_eos_matches_transformers(smollm2, smollm2_llm, chat_prompts):
+    model, _ = smollm2
+    outs = smollm2_llm.generate(chat_prompts[:3], SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(model, out.prompt_token_ids, 64)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_tiny_model_matches_transformers_at_any_block_size(tiny_model, block_size):
+    prompts = random_prompts(6, seed=1)
+    llm = make_tiny_llm(tiny_model, block_size=block_size, num_blocks=512 // block_size * 4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24, stop_at_eos=False)
+    assert_pool_empty(llm)
