@@ -1,0 +1,130 @@
+"""The command line: `python -m paged demo | generate | setup`.
+
+demo      answers a few chat prompts with SmolLM2 through the paged engine and shows where their K/V lived:
+          each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
+generate  answers your own prompts (chat template applied) and prints the text.
+setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
+"""
+
+import argparse
+import sys
+import time
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about paging in operating systems.",
+    "Give me three tips for learning a new language.",
+    "What is 12 times 12?",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def pool_map(num_blocks: int, owner_of_block: dict[int, str], width: int = 64) -> str:
+    """One character per block: the owning request's letter, or '.' for a free block."""
+    cells = [owner_of_block.get(b, ".") for b in range(num_blocks)]
+    return "\n".join("    " + "".join(cells[i:i + width]) for i in range(0, num_blocks, width))
+
+
+def run_demo(args) -> None:
+    from paged import LLM, SamplingParams
+    from paged.models import chat_prompt
+
+    started = time.perf_counter()
+    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    engine = llm.engine
+    manager = engine.block_manager
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    letters = {}
+    for index, question in enumerate(DEMO_QUESTIONS):
+        request_id = engine.add_request(engine.make_request(chat_prompt(llm.tokenizer, question), params))
+        letters[request_id] = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[index]
+
+    last_table, outputs, peak = {}, {}, (0, {}, 0)
+    while engine.has_unfinished_requests():
+        finished = engine.step()
+        # Snapshot after the step: finished sequences have already given their blocks back.
+        owners = {}
+        for seq in engine.scheduler.running:
+            rid = seq.request.request_id
+            last_table[rid] = list(manager.block_tables[seq.seq_id])
+            owners.update({b: letters[rid] for b in manager.block_tables[seq.seq_id]})
+        for out in finished:
+            outputs[out.request_id] = out
+        live = sum(seq.num_computed_tokens for seq in engine.scheduler.running)
+        if len(owners) > len(peak[1]):
+            peak = (engine.num_steps, owners, live)
+
+    bytes_per_block = engine.kv_stats()["bytes_per_block"]
+    bytes_per_token = bytes_per_block // manager.block_size
+    print(f"SmolLM2-135M-Instruct on {engine.device}, {manager.num_blocks} blocks of {manager.block_size} tokens "
+          f"({bytes_per_block / 2**10:.0f} KiB per block, {bytes_per_token:,} B per token)\n")
+    for request_id, out in outputs.items():
+        completion = out.outputs[0]
+        print(f"[{letters[request_id]}] {DEMO_QUESTIONS[int(request_id)]}")
+        print(f"    -> {completion.text.strip()}")
+        print(f"    {len(out.prompt_token_ids)} prompt + {len(completion.token_ids)} new tokens, "
+              f"block table {last_table.get(request_id, [])}\n")
+
+    step, owners, live_tokens = peak
+    used = len(owners)
+    print(f"The pool at its fullest (step {step}): {used} of {manager.num_blocks} blocks in use, "
+          f"one letter per request, '.' free")
+    print(pool_map(min(manager.num_blocks, max(owners, default=0) // 64 * 64 + 64), owners))
+    paged_bytes = used * bytes_per_block
+    naive_bytes = len(outputs) * (llm.engine.max_model_len * bytes_per_token)
+    exact_bytes = sum(len(o.prompt_token_ids) + params.max_tokens for o in outputs.values()) * bytes_per_token
+    print(f"\nKV memory at that moment: {live_tokens} live tokens = {live_tokens * bytes_per_token / 2**20:.1f} MiB")
+    rows = [(f"paged, {used} blocks", paged_bytes),
+            ("naive, prompt + max_tokens reserved per request", exact_bytes),
+            (f"naive, max_model_len ({llm.engine.max_model_len}) reserved per request", naive_bytes)]
+    for label, size in rows:
+        print(f"  {label:<55} {size / 2**20:8.1f} MiB")
+    print(f"\nDone in {time.perf_counter() - started:.1f} s (model load included).")
+
+
+def run_generate(args) -> None:
+    from paged import LLM, SamplingParams
+    from paged.models import chat_prompt
+
+    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    prompts = [chat_prompt(llm.tokenizer, p) if not args.raw else p for p in args.prompts]
+    for prompt, out in zip(args.prompts, llm.generate(prompts, params)):
+        print(f"> {prompt}\n{out.outputs[0].text.strip()}\n")
+
+
+def run_setup(args) -> None:
+    from paged.models import convert_gguf_to_cache
+    print(f"model cache: {convert_gguf_to_cache(force=args.force)}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m paged", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, handler in [("demo", run_demo), ("generate", run_generate)]:
+        command = commands.add_parser(name)
+        command.set_defaults(handler=handler)
+        command.add_argument("--block-size", type=int, default=16)
+        command.add_argument("--num-blocks", type=int, default=1024)
+        command.add_argument("--max-tokens", type=int, default=48)
+        command.add_argument("--device", default=None)
+    generate = commands.choices["generate"]
+    generate.add_argument("prompts", nargs="+")
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    setup = commands.add_parser("setup")
+    setup.set_defaults(handler=run_setup)
+    setup.add_argument("--force", action="store_true", help="convert again even if a cache exists")
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
