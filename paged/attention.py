@@ -10,11 +10,13 @@ Layout (NHD, as vLLM's flash backend):
     context_lens             int32 [num_seqs]   tokens in the cache for each sequence, the new ones included
     slot_mapping             int   [num_tokens] slot = block_id * block_size + offset; -1 means "do not write"
 
-Everything is batched over sequences: one gather of the blocks a batch needs, one masked softmax.
+Everything is batched over sequences: one gather of the blocks a batch needs, then one masked attention
+(torch's scaled_dot_product_attention).
 No Python loop runs over sequences or blocks.
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -34,15 +36,15 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: tor
     """Read the first max_len tokens of every sequence through its block table.
 
     Returns [num_seqs, max_len, num_kv_heads, head_dim]; positions at or past a sequence's context length hold
-    whatever its unused table entries point at, so callers must mask them.
+    whatever its unused table entries point at (block 0), so callers must mask them.
     """
-    block_size = cache.shape[1]
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     num_table_blocks = -(-max_len // block_size)
     table = block_tables[:, :num_table_blocks].long()                      # [num_seqs, nb]
     used = -(-context_lens.long() // block_size)                           # [num_seqs] blocks each sequence owns
     table = torch.where(torch.arange(num_table_blocks, device=table.device) < used[:, None], table, 0)
-    blocks = cache[table]                                                  # [num_seqs, nb, block_size, Hkv, D]
-    return blocks.flatten(1, 2)[:, :max_len]                               # [num_seqs, max_len, Hkv, D]
+    blocks = cache.view(num_blocks, -1).index_select(0, table.flatten())   # [num_seqs * nb, block_size * Hkv * D]
+    return blocks.view(table.shape[0], num_table_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -50,20 +52,19 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """One new token per sequence attends to all of its cached tokens.
 
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]. GQA: query head h reads KV head
-    h // (num_heads // num_kv_heads), as in Llama.
+    h // (num_heads // num_kv_heads), as in Llama; the `group` query heads that share a KV head are handed to
+    SDPA as `group` query rows of that KV head, so K and V are never repeated.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
-    keys = gather_kv(key_cache, block_tables, context_lens, max_len).float()      # [S, L, Hkv, D]
-    values = gather_kv(value_cache, block_tables, context_lens, max_len).float()  # [S, L, Hkv, D]
-    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)              # [S, Hkv, G, D]
-    scores = torch.einsum("shgd,slhd->shgl", q, keys) * scale                    # [S, Hkv, G, L]
-    in_context = torch.arange(max_len, device=query.device) < context_lens[:, None]  # [S, L]
-    scores = scores.masked_fill(~in_context[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgl,slhd->shgd", probs, values)                          # [S, Hkv, G, D]
+    keys = gather_kv(key_cache, block_tables, context_lens, max_len).transpose(1, 2)      # [S, Hkv, L, D]
+    values = gather_kv(value_cache, block_tables, context_lens, max_len).transpose(1, 2)  # [S, Hkv, L, D]
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)                       # [S, Hkv, G, D]
+    in_context = torch.arange(max_len, device=query.device) < context_lens[:, None]      # [S, L]
+    out = F.scaled_dot_product_attention(q, keys.float(), values.float(),
+                                         attn_mask=in_context[:, None, None, :], scale=scale)  # [S, Hkv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
@@ -93,13 +94,13 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     is_real = i[None, :] < query_lens[:, None]                                    # [S, max_q]
     token_index = (starts[:, None] + i[None, :]).clamp(max=num_tokens - 1)        # [S, max_q]
     q = query.float()[token_index].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, head_dim)  # rows (query, group)
     q_pos = context_lens.long()[:, None] - query_lens[:, None] + i[None, :]       # [S, max_q]
-
-    keys = gather_kv(key_cache, block_tables, context_lens, max_len).float()      # [S, L, Hkv, D]
-    values = gather_kv(value_cache, block_tables, context_lens, max_len).float()
-    scores = torch.einsum("sqhgd,slhd->shgql", q, keys) * scale                   # [S, Hkv, G, max_q, L]
     causal = torch.arange(max_len, device=device)[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]
-    scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("shgql,slhd->sqhgd", probs, values)                        # [S, max_q, Hkv, G, D]
+    causal = causal.repeat_interleave(group, dim=1)[:, None]                      # [S, 1, max_q * G, L]
+
+    keys = gather_kv(key_cache, block_tables, context_lens, max_len).transpose(1, 2)      # [S, Hkv, L, D]
+    values = gather_kv(value_cache, block_tables, context_lens, max_len).transpose(1, 2)  # [S, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q, keys.float(), values.float(), attn_mask=causal, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [S, max_q, Hkv, G, D]
     return out.reshape(num_seqs, max_q, num_heads, head_dim)[is_real].to(query.dtype)  # [num_tokens, H, D]

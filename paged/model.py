@@ -111,9 +111,9 @@ class PagedLlama:
         hidden = self.embed_tokens[input_ids]                      # [num_tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
-            q, k, v = F.linear(x, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            qk, v = F.linear(x, layer.qkv).split([q_size + kv_size, kv_size], dim=-1)
+            qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
             hidden = hidden + F.linear(out.view(num_tokens, q_size), layer.o)
