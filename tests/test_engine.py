@@ -153,3 +153,13 @@ def test_bad_prompts_raise_and_leave_the_engine_usable(tiny_model, reference):
         assert_pool_empty(llm)
     outs = llm.generate(prompts[:3], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected[:3]
+
+
+def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(tiny_model, reference):
+    prompts, expected = reference
+    llm = make_tiny_llm(tiny_model, num_blocks=64, attention_backend="triton", enable_chunked_prefill=True,
+                        max_num_batched_tokens=32, max_num_seqs=8)  # chunks, so the prefill kernel also reads cached blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [e[:4] for e in expected[:3]]
+    assert_pool_empty(llm)
