@@ -8,6 +8,12 @@ token t of a sequence lives in slot `table[t // block_size] * block_size + t % b
 The free blocks wait in a doubly linked queue, as in vLLM v1's `block_pool.py`: taking one, returning one and
 pulling one out of the middle are all O(1), with no list scans. A block's reference count is the number of block
 tables that hold it; it returns to the queue when that count drops to zero.
+
+Prefix caching (guide §9, `enable_prefix_caching=True`): a full block is named by a chained hash
+H(parent block's hash, its token ids, extra keys such as an adapter id), and `cached` maps hash -> block. A block
+whose count drops to zero keeps its contents and its hash and waits in the free queue; a new sequence whose prompt
+starts with the same blocks takes them back instead of computing them again. The free queue is the LRU order of
+eviction: a block taken from its head for fresh use loses its hash then, and only then.
 """
 
 import enum
@@ -29,6 +35,8 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
+    block_hash: int | None = None     # set while the block is full and registered in the prefix cache
+    hash_key: tuple | None = None     # (parent hash, token ids, extra key): confirms a hash match
     prev_free: "Block | None" = field(default=None, repr=False)
     next_free: "Block | None" = field(default=None, repr=False)
 
@@ -75,7 +83,7 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Hands out blocks to sequences and keeps their block tables. Sequences are named by integer ids."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -85,34 +93,112 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.block_tables: dict[int, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached: dict[int, Block] = {}              # block hash -> block holding those tokens
+        self.block_hashes: dict[int, list[int]] = {}    # seq_id -> hashes of its full, registered blocks
+        self.pending_copies: list[tuple[int, int]] = [] # copy-on-write (src, dst) block copies not yet done
 
     @property
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
-    def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
-        """How many more blocks seq_id needs so that its table covers num_tokens tokens."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(self.block_tables.get(seq_id, ())))
+    def blocks_needed(self, seq_id: int | None, num_tokens: int, write_from: int | None = None) -> int:
+        """How many free blocks seq_id needs so that its table covers num_tokens tokens, counting a copy of
+        every shared block it is about to write into (tokens write_from..num_tokens-1)."""
+        table = self.block_tables.get(seq_id, ())
+        grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
+        if write_from is None:
+            return grow
+        written = range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size)))
+        return grow + sum(1 for i in written if self.blocks[table[i]].ref_count > 1)
 
-    def can_allocate(self, num_tokens: int, seq_id: int | None = None) -> AllocStatus:
-        """Admission: can a sequence (new, or seq_id growing) hold num_tokens tokens now, later, or never?"""
+    def can_allocate(self, num_tokens: int, seq_id: int | None = None, cached_blocks: list[Block] = (),
+                     write_from: int | None = None) -> AllocStatus:
+        """Admission: can a sequence (new, or seq_id growing) hold num_tokens tokens now, later, or never?
+        cached_blocks: a new sequence's prefix-cache hits, which it takes instead of fresh blocks."""
         if cdiv(num_tokens, self.block_size) > self.num_blocks:
             return AllocStatus.NEVER
-        if self.blocks_needed(seq_id, num_tokens) > self.num_free_blocks:
+        idle_hits = sum(1 for block in cached_blocks if block.ref_count == 0)  # they leave the free queue
+        needed = self.blocks_needed(seq_id, num_tokens, write_from) - len(cached_blocks)
+        if needed > self.num_free_blocks - idle_hits:
             return AllocStatus.LATER
         return AllocStatus.OK
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow seq_id's table (creating it if new) to cover num_tokens tokens; all or nothing."""
-        needed = self.blocks_needed(seq_id, num_tokens)
-        if needed > self.num_free_blocks:
-            raise NoFreeBlocksError(f"sequence {seq_id} needs {needed} blocks, {self.num_free_blocks} are free")
+    def allocate(self, seq_id: int, num_tokens: int, cached_blocks: list[Block] = (),
+                 write_from: int | None = None) -> list[int]:
+        """Grow seq_id's table (creating it if new, starting with its cache hits) to cover num_tokens tokens,
+        and give it private copies of shared blocks it will write into from write_from on; all or nothing.
+        The copies to make are queued in pending_copies for the engine."""
+        if self.can_allocate(num_tokens, seq_id, cached_blocks, write_from) is not AllocStatus.OK:
+            raise NoFreeBlocksError(f"sequence {seq_id} cannot grow to {num_tokens} tokens: "
+                                    f"{self.num_free_blocks} blocks are free")
         table = self.block_tables.setdefault(seq_id, [])
-        for _ in range(needed):
-            block = self.free_queue.popleft()
-            block.ref_count = 1
+        for block in cached_blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
             table.append(block.block_id)
+        if cached_blocks:
+            self.block_hashes[seq_id] = [block.block_hash for block in cached_blocks]
+        if write_from is not None:
+            for index in range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size))):
+                shared = self.blocks[table[index]]
+                if shared.ref_count > 1:  # copy-on-write: the others keep the original
+                    shared.ref_count -= 1
+                    table[index] = self._take_free_block().block_id
+                    self.pending_copies.append((shared.block_id, table[index]))
+        for _ in range(cdiv(num_tokens, self.block_size) - len(table)):
+            table.append(self._take_free_block().block_id)
         return table
+
+    def _take_free_block(self) -> Block:
+        block = self.free_queue.popleft()
+        if block.block_hash is not None:  # evict: the least recently used cached block is reused
+            del self.cached[block.block_hash]
+            block.block_hash = block.hash_key = None
+        block.ref_count = 1
+        return block
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- prefix caching ---------------------------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: list[int], extra_key=None) -> list[Block]:
+        """The longest run of leading full blocks of a new prompt that the cache holds, confirmed token by token.
+        The last prompt token is never taken from the cache: its logits are needed to sample the first output."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent = [], None
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            key = (parent, tuple(token_ids[start:start + self.block_size]), extra_key)
+            block = self.cached.get(hash(key))
+            if block is None or block.hash_key != key:
+                break
+            hits.append(block)
+            parent = block.block_hash
+        return hits
+
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra_key=None) -> None:
+        """Register the blocks of seq_id that are now full of computed tokens under their chained hashes."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq_id, [])
+        table = self.block_tables[seq_id]
+        for index in range(len(hashes), num_computed_tokens // self.block_size):
+            start = index * self.block_size
+            key = (hashes[-1] if hashes else None, tuple(token_ids[start:start + self.block_size]), extra_key)
+            block_hash = hash(key)
+            hashes.append(block_hash)
+            block = self.blocks[table[index]]
+            if block_hash not in self.cached and block.block_hash is None:  # keep the first copy of a prefix
+                block.block_hash, block.hash_key = block_hash, key
+                self.cached[block_hash] = block
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:
         """The child shares every block of the parent (copy-on-write happens when one of them writes)."""
@@ -122,10 +208,13 @@ class BlockManager:
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_id] = table
+        if parent_id in self.block_hashes:
+            self.block_hashes[child_id] = list(self.block_hashes[parent_id])
         return table
 
     def free(self, seq_id: int) -> None:
         """Drop seq_id's table; blocks nobody else holds go back to the free queue, last block first."""
+        self.block_hashes.pop(seq_id, None)
         for block_id in reversed(self.block_tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1

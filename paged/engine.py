@@ -25,7 +25,8 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not gi
 class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False, seed: int = 0):
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
+                 enable_prefix_caching: bool = False, seed: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.device = model.device
@@ -34,7 +35,7 @@ class LLMEngine:
             * model.embed_tokens.element_size()
         if num_blocks is None:
             num_blocks = kv_cache_memory // bytes_per_block
-        self.block_manager = BlockManager(num_blocks, block_size)  # validates block_size and num_blocks
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
@@ -79,16 +80,30 @@ class LLMEngine:
         return Request(request_id, text, token_ids, params)
 
     def add_request(self, request: Request) -> str:
-        """Queue a request made by make_request; its n sequences wait for the scheduler."""
-        for index in range(request.params.n):
-            generator = None
-            if request.params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
-            seq = Sequence(next(self._seq_counter), request, index, generator)
-            request.seqs.append(seq)
-            self.scheduler.add(seq)
+        """Queue a request made by make_request. One sequence prefills the prompt; with n > 1 it forks the
+        other n - 1 when the prompt is done, and they all share the prompt's blocks (copy-on-write)."""
+        self.scheduler.add(self._new_sequence(request))
         self.requests[request.request_id] = request
         return request.request_id
+
+    def _new_sequence(self, request: Request) -> Sequence:
+        index = len(request.seqs)
+        generator = None
+        if request.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
+        seq = Sequence(next(self._seq_counter), request, index, generator)
+        request.seqs.append(seq)
+        return seq
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A running copy of parent that shares all its blocks; the first write to a shared block copies it."""
+        child = self._new_sequence(parent.request)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SequenceStatus.RUNNING
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.scheduler.running.append(child)
+        return child
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool at once."""
@@ -115,12 +130,22 @@ class LLMEngine:
         # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
         batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
         input_ids, positions, meta, sampled_seqs, logits_indices = self._prepare_inputs(batch)
+        if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
+            sources, targets = zip(*plan.blocks_to_copy)
+            self.kv_cache.copy_blocks(list(sources), list(targets))
         logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
-        tokens = sample(logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
-                        self.generator)
 
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.request.cache_key)
+        rows = list(range(len(sampled_seqs)))
+        for row, seq in enumerate(list(sampled_seqs)):
+            while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
+                sampled_seqs.append(self.fork(seq))
+                rows.append(row)
+        tokens = sample(logits[rows], [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
+                        self.generator)
         now = time.perf_counter()
         finished = []
         for seq, token in zip(sampled_seqs, tokens):
@@ -205,9 +230,9 @@ class LLMEngine:
             "block_size": manager.block_size,
             "num_free_blocks": manager.num_free_blocks,
             "num_used_blocks": used,
-            "num_cached_blocks": 0,
-            "prefix_hit_tokens": 0,
-            "prefix_query_tokens": 0,
+            "num_cached_blocks": manager.num_cached_blocks,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "prefix_query_tokens": self.scheduler.prefix_query_tokens,
             "usage": used / manager.num_blocks,
             "live_tokens": live_tokens,
             "bytes_per_block": self.kv_cache.nbytes // manager.num_blocks,
@@ -235,8 +260,6 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if preemption_mode != "recompute":
             raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet; use 'recompute'")
-        if enable_prefix_caching:
-            raise ValueError("enable_prefix_caching is not available yet")
         torch.manual_seed(seed)
         if isinstance(model, str):
             if model != "smollm2":
@@ -249,7 +272,8 @@ class LLM:
         self.engine = LLMEngine(PagedLlama(hf_model, backend), tokenizer, block_size=block_size,
                                 num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
-                                enable_chunked_prefill=enable_chunked_prefill, seed=seed)
+                                enable_chunked_prefill=enable_chunked_prefill,
+                                enable_prefix_caching=enable_prefix_caching, seed=seed)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -1,11 +1,12 @@
 """The scheduler: which sequences run in the next engine step, and how many tokens each (guide §11, §12).
 
 Every step it fills a token budget (`max_num_batched_tokens`):
-  1. running sequences first, oldest first: one token each when decoding (or the rest of a prompt chunk);
-     if the pool has no block for one of them, the most recently admitted running sequence is preempted
-     (its blocks freed, to be recomputed later) until there is room;
+  1. running sequences first: decodes (one token each), then the next chunks of prompts being prefilled;
+     if the pool has no block for one of them, the most recently admitted running sequence not yet scheduled
+     is preempted (its blocks freed, to be recomputed later) until there is room;
   2. then waiting sequences in arrival order, admitted while the block manager answers OK and fewer than
-     `max_num_seqs` run. With chunked prefill a prompt may take only part of the remaining budget.
+     `max_num_seqs` run; a prompt whose leading blocks are in the prefix cache starts past them. With chunked
+     prefill a prompt may take only part of the remaining budget.
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 """
 
@@ -20,6 +21,7 @@ from .sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -40,6 +42,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
+        self.prefix_query_tokens = 0   # prompt tokens admitted
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -61,32 +65,40 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out.preempted):
                 continue
-            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new,
+                                        write_from=seq.num_computed_tokens)
             out.scheduled.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
+            hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.block_manager.can_allocate(seq.num_computed_tokens + num_new, seq.seq_id) is not AllocStatus.OK:
+            if self.block_manager.can_allocate(num_cached + num_new, seq.seq_id, hits) is not AllocStatus.OK:
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new)
+            self.block_manager.allocate(seq.seq_id, num_cached + num_new, hits)
             self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            self.prefix_hit_tokens += num_cached
+            self.prefix_query_tokens += seq.num_tokens
+        out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
                    preempted: list[Sequence]) -> bool:
         """Preempt the newest running sequences not yet scheduled this step until seq can hold num_tokens.
         Returns False if seq itself had to go."""
-        while self.block_manager.can_allocate(num_tokens, seq.seq_id) is not AllocStatus.OK:
+        while self.block_manager.can_allocate(num_tokens, seq.seq_id,
+                                              write_from=seq.num_computed_tokens) is not AllocStatus.OK:
             victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
             self.running.remove(victim)
             self._preempt(victim)

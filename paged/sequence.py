@@ -81,6 +81,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     seqs: list[Sequence] = field(default_factory=list)
+    cache_key: object = None  # extra key mixed into prefix-cache hashes (an adapter's name, say)
 
     @property
     def is_finished(self) -> bool:
