@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .model import AttentionMetadata, PagedLlama
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import CompletionOutput, Request, RequestOutput, Sequence, SequenceStatus
+from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
 
@@ -26,8 +26,9 @@ class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
-                 enable_prefix_caching: bool = False, seed: int = 0):
+                 enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter):
         self.model = model
+        self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
         self.device = model.device
         self.max_model_len = model.max_position
@@ -45,6 +46,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
         self.num_steps = 0
+        self.last_schedule = None
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -77,7 +79,7 @@ class LLMEngine:
             request_id = str(next(self._request_counter))
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return Request(request_id, text, token_ids, params)
+        return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()))
 
     def add_request(self, request: Request) -> str:
         """Queue a request made by make_request. One sequence prefills the prompt; with n > 1 it forks the
@@ -117,14 +119,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over every scheduled token, sample; returns the requests that finished."""
-        plan = self.scheduler.schedule()
+        plan = self.last_schedule = self.scheduler.schedule()  # kept for timelines and widgets
         if not plan.scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not place any waiting sequence (a bug: requests are "
                                    "validated to fit the pool)")
             return []
         self.num_steps += 1
-        now = time.perf_counter()
+        now = self.clock()
         for seq, _ in plan.scheduled:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
         # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
@@ -146,7 +148,7 @@ class LLMEngine:
                 rows.append(row)
         tokens = sample(logits[rows], [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
                         self.generator)
-        now = time.perf_counter()
+        now = self.clock()
         finished = []
         for seq, token in zip(sampled_seqs, tokens):
             seq.token_ids.append(token)
@@ -206,7 +208,7 @@ class LLMEngine:
         return True
 
     def _finish_request(self, request: Request) -> RequestOutput:
-        request.metrics.finished_time = time.perf_counter()
+        request.metrics.finished_time = self.clock()
         del self.requests[request.request_id]
         return self.output_of(request)
 

@@ -7,7 +7,6 @@ covers a fresh prompt, a chunk of one, a decode step, and a sequence recomputed 
 """
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +56,8 @@ class Sequence:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (time.perf_counter seconds) of one request's life."""
+    """Times of one request's life, in seconds of the engine's clock (time.perf_counter unless a driver
+    replaying a trace supplies its own)."""
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -79,7 +79,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     cache_key: object = None  # extra key mixed into prefix-cache hashes (an adapter's name, say)
 
