@@ -125,22 +125,7 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not place any waiting sequence (a bug: requests are "
                                    "validated to fit the pool)")
             return []
-        self.num_steps += 1
-        now = self.clock()
-        for seq, _ in plan.scheduled:
-            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
-        # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
-        batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
-        input_ids, positions, meta, sampled_seqs, logits_indices = self._prepare_inputs(batch)
-        if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
-            sources, targets = zip(*plan.blocks_to_copy)
-            self.kv_cache.copy_blocks(list(sources), list(targets))
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
-
-        for seq, num_new in batch:
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                                 seq.request.cache_key)
+        sampled_seqs, logits = self.execute(plan)
         rows = list(range(len(sampled_seqs)))
         for row, seq in enumerate(list(sampled_seqs)):
             while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
@@ -159,6 +144,26 @@ class LLMEngine:
         return [self._finish_request(request) for request in {seq.request.request_id: seq.request
                                                               for seq in finished}.values()
                 if request.is_finished]
+
+    def execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
+        """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
+        logits [len(sequences), vocab]; the caller samples (step) or searches (beam_search)."""
+        self.num_steps += 1
+        now = self.clock()
+        for seq, _ in plan.scheduled:
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
+        # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
+        batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
+        input_ids, positions, meta, sampled_seqs, logits_indices = self._prepare_inputs(batch)
+        if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
+            sources, targets = zip(*plan.blocks_to_copy)
+            self.kv_cache.copy_blocks(list(sources), list(targets))
+        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
+        for seq, num_new in batch:
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.request.cache_key)
+        return sampled_seqs, logits
 
     def _prepare_inputs(self, batch: list[tuple[Sequence, int]]):
         """Flatten the batch into token ids, positions, slots and per-sequence block tables."""
@@ -306,6 +311,13 @@ class LLM:
                         engine.abort_request(request.request_id)
                 raise
         return [done[request.request_id] for request in requests]
+
+    def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 32, length_penalty: float = 1.0):
+        """Beam search whose beams share blocks; returns one BeamSearchOutput per prompt, best beam first."""
+        from .beam_search import beam_search
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return beam_search(self.engine, prompts, beam_width, max_tokens, length_penalty)
 
     def kv_stats(self) -> dict:
         return self.engine.kv_stats()

@@ -1,0 +1,123 @@
+"""Beam search on shared blocks (guide §10): beams fork and die, and their block tables share every block
+they have in common; only a partial last block is ever copied (copy-on-write, on the first write after a fork).
+
+Each step runs one forward pass over every live beam of every prompt, scores the 2 * beam_width best next tokens
+of each beam by cumulative log-probability, and keeps the best beam_width candidates per prompt (as vLLM's
+`LLM.beam_search`). A kept candidate continues its parent's sequence if it is the parent's first kept child,
+otherwise it forks the parent; a parent with no kept child is freed. Candidates that end in EOS are complete.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import cdiv
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list[int]          # generated tokens
+    cum_logprob: float
+    text: str
+    finished: bool                # ended in EOS (rather than at max_tokens)
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]                       # best first
+    block_usage: list[tuple[int, int]] = field(default_factory=list)  # per step: (physical blocks, table entries)
+
+
+def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> list[BeamSearchOutput]:
+    if not isinstance(beam_width, int) or beam_width < 1:
+        raise ValueError(f"beam_width must be an integer >= 1, got {beam_width!r}")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(p, params) for p in prompts]  # validates every prompt first
+    manager = engine.block_manager
+    # Beams of one prompt must advance together, so a prompt runs only while all its beams fit at full length,
+    # with one spare block per beam for a copy-on-write.
+    need = [beam_width * (cdiv(len(r.prompt_token_ids) + max_tokens, manager.block_size) + 1) for r in requests]
+    if max(need) > manager.num_blocks or beam_width > engine.scheduler.max_num_seqs:
+        raise ValueError(f"beam_width={beam_width} beams of up to {max_tokens} new tokens need {max(need)} blocks "
+                         f"and {beam_width} sequences; the pool has {manager.num_blocks} blocks and max_num_seqs is "
+                         f"{engine.scheduler.max_num_seqs}")
+    outputs, start = [], 0
+    while start < len(requests):  # as many prompts at once as the pool holds
+        end, blocks = start, 0
+        while end < len(requests) and blocks + need[end] <= manager.num_blocks \
+                and (end - start + 1) * beam_width <= engine.scheduler.max_num_seqs:
+            blocks += need[end]
+            end += 1
+        outputs += _search_group(engine, requests[start:end], beam_width, max_tokens, length_penalty)
+        start = end
+    return outputs
+
+
+def _search_group(engine, requests, beam_width, max_tokens, length_penalty):
+    eos = engine.eos_token_id
+    for request in requests:
+        engine.add_request(request)
+    live = {r.request_id: [(r.seqs[0], 0.0)] for r in requests}        # request -> [(sequence, cum logprob)]
+    done = {r.request_id: [] for r in requests}                        # request -> [(tokens, cum logprob, eos?)]
+    usage = {r.request_id: [] for r in requests}
+    while any(live.values()):
+        sampled, logits = engine.execute(engine.scheduler.schedule())
+        logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
+        row_of = {seq.seq_id: row for row, seq in enumerate(sampled)}
+        for request in requests:
+            beams = live[request.request_id]
+            if not beams or beams[0][0].seq_id not in row_of:
+                continue  # finished, or its prompt is still being prefilled
+            candidates = []
+            for seq, score in beams:
+                top = logprobs[row_of[seq.seq_id]].topk(2 * beam_width)
+                candidates += [(score + lp, seq, tok) for lp, tok in zip(top.values.tolist(), top.indices.tolist())]
+            candidates.sort(key=lambda c: -c[0])
+            kept = candidates[:beam_width]
+            finished = [(seq.output_token_ids + [tok], score, True) for score, seq, tok in kept if tok == eos]
+            continuing = [(score, seq, tok) for score, seq, tok in kept if tok != eos]
+            done[request.request_id] += finished
+            live[request.request_id] = _advance(engine, beams, continuing)
+            _record_usage(engine, live[request.request_id], usage[request.request_id])
+            if live[request.request_id] and len(live[request.request_id][0][0].output_token_ids) >= max_tokens:
+                done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in live[request.request_id]]
+                _release(engine, [seq for seq, _ in live[request.request_id]])
+                live[request.request_id] = []
+    results = []
+    for request in requests:
+        engine.requests.pop(request.request_id, None)
+        ranked = sorted(done[request.request_id],
+                        key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[:beam_width]
+        sequences = [BeamSearchSequence(tokens, score, engine._decode(tokens), ended) for tokens, score, ended in ranked]
+        results.append(BeamSearchOutput(request.prompt_token_ids, sequences, usage[request.request_id]))
+    return results
+
+
+def _advance(engine, beams, continuing) -> list[tuple[Sequence, float]]:
+    """Turn the kept candidates into live sequences: forks first (they copy the parent's tokens), then appends."""
+    children: dict[int, list[tuple[Sequence, int, float]]] = {}
+    for score, parent, tok in continuing:
+        siblings = children.setdefault(parent.seq_id, [])
+        sequence = parent if not siblings else engine.fork(parent)
+        siblings.append((sequence, tok, score))
+    _release(engine, [seq for seq, _ in beams if seq.seq_id not in children])
+    new_beams = []
+    for siblings in children.values():
+        for sequence, tok, score in siblings:
+            sequence.token_ids.append(tok)
+            new_beams.append((sequence, score))
+    return new_beams
+
+
+def _release(engine, seqs: list[Sequence]) -> None:
+    """Beams that are dropped or done give their blocks back (shared blocks only lose one reference)."""
+    if seqs:
+        engine.scheduler.abort(seqs)
+
+
+def _record_usage(engine, beams, history) -> None:
+    tables = [engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams]
+    history.append((len({b for t in tables for b in t}), sum(len(t) for t in tables)))
