@@ -43,7 +43,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: tor
     table = block_tables[:, :num_table_blocks].long()                      # [num_seqs, nb]
     used = -(-context_lens.long() // block_size)                           # [num_seqs] blocks each sequence owns
     table = torch.where(torch.arange(num_table_blocks, device=table.device) < used[:, None], table, 0)
-    blocks = cache.view(num_blocks, -1).index_select(0, table.flatten())   # [num_seqs * nb, block_size * Hkv * D]
+    blocks = F.embedding(table, cache.view(num_blocks, -1))                # [num_seqs, nb, block_size * Hkv * D]
     return blocks.view(table.shape[0], num_table_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
 
 
