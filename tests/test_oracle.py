@@ -65,3 +65,25 @@ def test_tiny_model_matches_transformers_at_any_block_size(tiny_model, block_siz
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24, stop_at_eos=False)
     assert_pool_empty(llm)
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(smollm2, chat_prompts, hf_reference):
+    """All the serving machinery at once on the real model: shared chat-template blocks come from the prefix
+    cache, prompts arrive in 32-token chunks, and a 48-block pool forces preemptions; tokens must not change."""
+    from paged import LLM
+    model, tokenizer = smollm2
+    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8, device="cpu",
+              dtype=torch.float32)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for prompt in chat_prompts:
+        engine.add_request(engine.make_request(prompt, params))
+    outputs, preempted = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[int(out.request_id)] = out.outputs[0].token_ids
+        preempted += len(engine.last_schedule.preempted)
+    assert preempted > 0 and llm.kv_stats()["prefix_hit_tokens"] > 0
+    assert [outputs[i] for i in range(len(chat_prompts))] == hf_reference
+    assert_pool_empty(llm)
