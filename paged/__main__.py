@@ -1,8 +1,9 @@
-"""The command line: `python -m paged demo | generate | setup`.
+"""The command line: `python -m paged demo | generate | bench | setup`.
 
 demo      answers a few chat prompts with SmolLM2 through the paged engine and shows where their K/V lived:
           each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
 generate  answers your own prompts (chat template applied) and prints the text.
+bench     runs benchmarks/throughput.py from the repository checkout (arguments pass through).
 setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
 """
 
@@ -94,6 +95,17 @@ def run_generate(args) -> None:
         print(f"> {prompt}\n{out.outputs[0].text.strip()}\n")
 
 
+def run_bench(args) -> None:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing: the benchmarks live in the repository checkout")
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+
+
 def run_setup(args) -> None:
     from paged.models import convert_gguf_to_cache
     print(f"model cache: {convert_gguf_to_cache(force=args.force)}")
@@ -116,10 +128,15 @@ def main(argv=None) -> None:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    bench = commands.add_parser("bench", help="throughput against transformers (see benchmarks/throughput.py)")
+    bench.set_defaults(handler=run_bench)
     setup = commands.add_parser("setup")
     setup.set_defaults(handler=run_setup)
     setup.add_argument("--force", action="store_true", help="convert again even if a cache exists")
-    args = parser.parse_args(argv)
+    args, passed_through = parser.parse_known_args(argv)
+    if passed_through and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(passed_through)}")
+    args.bench_args = passed_through
     try:
         args.handler(args)
     except (ValueError, FileNotFoundError) as error:

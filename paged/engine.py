@@ -246,7 +246,7 @@ class LLMEngine:
             "pool_bytes": self.kv_cache.nbytes,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": sum(seq.num_preemptions for r in self.requests.values() for seq in r.seqs),
+            "num_preemptions": self.scheduler.num_preemptions,
         }
 
 

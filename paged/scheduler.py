@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
         self.prefix_query_tokens = 0   # prompt tokens admitted
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,6 +113,7 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
