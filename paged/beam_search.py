@@ -28,7 +28,8 @@ class BeamSearchSequence:
 class BeamSearchOutput:
     prompt_token_ids: list[int]
     sequences: list[BeamSearchSequence]                       # best first
-    block_usage: list[tuple[int, int]] = field(default_factory=list)  # per step: (physical blocks, table entries)
+    block_usage: list[tuple[int, int]] = field(default_factory=list)  # per forward pass: (physical blocks,
+                                                                      # block-table entries) of the live beams
 
 
 def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> list[BeamSearchOutput]:
@@ -64,7 +65,10 @@ def _search_group(engine, requests, beam_width, max_tokens, length_penalty):
     done = {r.request_id: [] for r in requests}                        # request -> [(tokens, cum logprob, eos?)]
     usage = {r.request_id: [] for r in requests}
     while any(live.values()):
-        sampled, logits = engine.execute(engine.scheduler.schedule())
+        plan = engine.scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
+        for request in requests:
+            _record_usage(engine, live[request.request_id], usage[request.request_id])
+        sampled, logits = engine.execute(plan)
         logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
         row_of = {seq.seq_id: row for row, seq in enumerate(sampled)}
         for request in requests:
@@ -81,7 +85,6 @@ def _search_group(engine, requests, beam_width, max_tokens, length_penalty):
             continuing = [(score, seq, tok) for score, seq, tok in kept if tok != eos]
             done[request.request_id] += finished
             live[request.request_id] = _advance(engine, beams, continuing)
-            _record_usage(engine, live[request.request_id], usage[request.request_id])
             if live[request.request_id] and len(live[request.request_id][0][0].output_token_ids) >= max_tokens:
                 done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in live[request.request_id]]
                 _release(engine, [seq for seq, _ in live[request.request_id]])
@@ -119,5 +122,8 @@ def _release(engine, seqs: list[Sequence]) -> None:
 
 
 def _record_usage(engine, beams, history) -> None:
+    """Blocks held at the forward pass, when every copy-on-write copy of this step has been made."""
+    if not beams:
+        return
     tables = [engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams]
     history.append((len({b for t in tables for b in t}), sum(len(t) for t in tables)))
