@@ -24,9 +24,8 @@ How each figure is obtained, and where it differs from the paper:
   its own EOS, sharing would last shorter and save less.
 - Beam search (`beam_search_saving`) needs a model, because which beams survive shapes the tree of shared blocks.
   It runs the engine's own `LLM.beam_search` on prompts of the trace's input lengths for each request's output
-  length, and counts the tables at each forward pass (`on_forward`). `BeamSearchOutput.block_usage` counts between
-  steps instead, when a child forked a moment ago still shares its parent's partial last block: that overstates
-  the saving by about one block per beam per step, which is a lot for short requests (chapter 06 shows both).
+  length, and sums `BeamSearchOutput.block_usage`, which the engine records at every forward pass as defined
+  above: by then a child forked at the previous step holds its own copy of its parent's partial last block.
   The model is whatever `llm` holds: a tiny random Llama (fast, random-token prompts, but its beams are not those of
   a trained model) or SmolLM2 (trained, 135 M parameters; the paper used OPT-13B).
 - We use the paper's block size (16) and our seeded traces (`paged.traces`), which match the datasets' mean
@@ -128,17 +127,12 @@ def trace_prompts(trace: list[Request], vocab_size: int, seed: int = 0) -> list[
 
 def beam_search_saving(llm, prompts: list, output_lens: list[int], beam_width: int) -> BlockSteps:
     """Block-steps of `llm.beam_search` over prompts, one at a time, each for its own number of new tokens,
-    counted at every forward pass (prefill included). llm's engine must have nothing else running."""
-    manager = llm.engine.block_manager
+    counted at every forward pass (prefill included): the sum of each output's `block_usage`. llm's engine must
+    have nothing else running."""
     total = BlockSteps()
-
-    def count(plan):
-        nonlocal total
-        total += BlockSteps.of(manager.block_tables[seq.seq_id] for seq, _ in plan.scheduled)
-
-    with on_forward(llm.engine, count):
-        for prompt, output_len in zip(prompts, output_lens):
-            llm.beam_search([prompt], beam_width, output_len)
+    for prompt, output_len in zip(prompts, output_lens):
+        for physical, logical in llm.beam_search([prompt], beam_width, output_len)[0].block_usage:
+            total += BlockSteps(physical, logical)
     return total
 
 

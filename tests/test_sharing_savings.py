@@ -49,20 +49,34 @@ def test_beam_search_savings(tiny_model):
     assert beam_search_saving(llm, prompts, output_lens, beam_width=1).saving == 0  # one beam shares nothing
     savings = [beam_search_saving(llm, prompts, output_lens, width).saving for width in (2, 4)]
     assert 0 < savings[0] < savings[1] < 1 - 1 / 4
-    assert "execute" not in vars(llm.engine)  # on_forward put the engine back
     assert_pool_empty(llm)
 
 
-def test_block_usage_between_steps_overstates_the_saving(tiny_model):
-    """block_usage counts right after forks, while children still share their parent's partial last block;
-    at the next forward pass those blocks have been copied."""
+@pytest.mark.parametrize("prompt_len", [13, 16])
+def test_block_usage_is_counted_at_the_forward_pass(tiny_model, prompt_len):
+    """Block size 8, beam width 4, 10 new tokens (the K/V of the first nine are written). At every decode's forward
+    pass each beam writes into its last block, which is therefore its own: shared a moment before (a fork's
+    partial block, already copied) or opened this step. Counted between steps, right after the forks, the first
+    decode would read (2, 8) instead: four tables sharing the prompt's two blocks.
+      13 tokens: prefill: blocks [A, B], B holds 5 tokens                                  -> (2, 2)
+                 decodes 1-3 write positions 13-15 into B: A shared, four private B's      -> (1 + 4, 4 * 2)
+                 decodes 4-9 open a third block each: A, 1 to 4 distinct B's, 4 new blocks  -> (6..9, 4 * 3)
+      16 tokens: prefill: two full blocks                                                  -> (2, 2)
+                 decodes 1-8 write positions 16-23 into a third block each                 -> (2 + 4, 4 * 3)
+                 decode 9 opens a fourth: 2 shared, 1 to 4 distinct third blocks, 4 new    -> (7..10, 4 * 4)"""
     llm = make_tiny_llm(tiny_model, num_blocks=256, block_size=8)
-    prompt = random_prompts(1, seed=6, low=13, high=14)[0]
-    at_forward = beam_search_saving(llm, [prompt], [10], beam_width=4)
-    between = BlockSteps()
-    for physical, logical in llm.beam_search([prompt], beam_width=4, max_tokens=10)[0].block_usage:
-        between += BlockSteps(physical, logical)
-    assert at_forward.saving < between.saving
+    prompt = random_prompts(1, seed=6, low=prompt_len, high=prompt_len + 1)[0]
+    usage = llm.beam_search([prompt], beam_width=4, max_tokens=10)[0].block_usage
+    assert len(usage) == 10  # prefill + nine decodes
+    if prompt_len == 13:
+        assert usage[:4] == [(2, 2)] + [(5, 8)] * 3
+        assert all(logical == 12 and 6 <= physical <= 9 for physical, logical in usage[4:])
+    else:
+        assert usage[:9] == [(2, 2)] + [(6, 12)] * 8
+        assert usage[9][1] == 16 and 7 <= usage[9][0] <= 10
+    assert beam_search_saving(llm, [prompt], [10], beam_width=4) == sum(
+        (BlockSteps(physical, logical) for physical, logical in usage), BlockSteps())
+    assert_pool_empty(llm)
 
 
 def test_on_forward_sees_the_step_copies(tiny_model):
@@ -110,9 +124,8 @@ def test_beam_search_frames(tiny_model):
     output, frames = beam_search_frames(llm, random_prompts(1, seed=3, low=10, high=11)[0], 3, 8)
     assert len(frames) == 8 and len(frames[0].tables) == 1 and frames[0].caption.startswith("step 1: seq 0 started")
     assert all(len(frame.tables) <= 3 for frame in frames)
-    # each frame is the pool as its forward pass sees it: at least what block_usage saw a moment before
-    for frame, (physical, logical) in zip(frames[1:], output.block_usage):
-        assert BlockSteps.of(frame.tables.values()).physical >= physical
+    # each frame is the pool as its forward pass sees it, as block_usage counts it
+    assert [BlockSteps.of(frame.tables.values()) for frame in frames] == [BlockSteps(*u) for u in output.block_usage]
     assert "execute" not in vars(llm.engine)
     assert_pool_empty(llm)
 
