@@ -161,8 +161,6 @@ class LLMEngine:
         logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
-                                                 seq.request.cache_key)
         return sampled_seqs, logits
 
     def _prepare_inputs(self, batch: list[tuple[Sequence, int]]):

@@ -68,7 +68,7 @@ class Scheduler:
                 continue
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new,
                                         write_from=seq.num_computed_tokens)
-            out.scheduled.append((seq, num_new))
+            self._schedule(seq, num_new, out)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
@@ -87,12 +87,20 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append((seq, num_new))
+            self._schedule(seq, num_new, out)
             budget -= num_new
             self.prefix_hit_tokens += num_cached
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
+
+    def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Put seq in this step and register the blocks the step fills in the prefix cache now, as vLLM does:
+        every layer writes the step's K/V before any attention reads them, so a request admitted later in the
+        same step can already share them."""
+        out.scheduled.append((seq, num_new))
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
+                                             seq.request.cache_key)
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
                    preempted: list[Sequence]) -> bool:

@@ -109,3 +109,14 @@ def test_random_operations_keep_the_books(tiny_model, ops):
     assert engine.requests == {}
     manager = engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks and manager.block_tables == {}
+
+
+def test_requests_admitted_in_one_step_share_a_prefix(tiny_model):
+    """Blocks are registered when scheduled, so the second request of a step reuses what the first computes in
+    that same forward pass (each layer writes the step's K/V before attention reads them)."""
+    prompts = shared_prefix_prompts(6, prefix_len=40)
+    plain = make_tiny_llm(tiny_model, num_blocks=128).generate(prompts, GREEDY, use_tqdm=False)
+    llm = make_tiny_llm(tiny_model, num_blocks=128, enable_prefix_caching=True)
+    together = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in plain]
+    assert llm.kv_stats()["prefix_hit_tokens"] == 5 * 40
