@@ -15,6 +15,7 @@ import numpy as np
 from paged.block_manager import BlockManager
 from paged.fragmentation import PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, STATE_NAMES, SimulationResult
 from paged.geometry import H100_SXM_BANDWIDTH, H100_SXM_BF16_FLOPS, KVGeometry, decode_step_flops_per_byte
+from paged.metrics import SLO, ReplayResult, StepRecord
 from paged.sharing import BlockSteps, on_forward
 from paged.traces import Request
 
@@ -715,5 +716,146 @@ def plot_savings(rows: list[dict]):
         ax.yaxis.set_major_formatter(lambda value, _: f"{value:.0%}")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("KV memory saved")
+    fig.tight_layout()
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# §11-§13 continuous batching, chunked prefill, goodput (chapters 07 and 08)
+# ---------------------------------------------------------------------------------------------------------------
+
+TIMELINE_STATES = {  # state -> (colour, legend)
+    "": ("#ffffff", "not arrived"),
+    "waiting": ("#f1ce63", "waiting"),
+    "prefill": ("#4e79a7", "prefill (prompt chunk or recompute)"),
+    "decode": ("#59a14f", "decode (one token)"),
+    "preempted": ("#e15759", "preempted (blocks freed)"),
+    "finished": ("#e8e8e8", "finished"),
+}
+_TIMELINE_STYLE = ("<style>.tl{border-collapse:collapse;font:10px monospace}.tl td{width:7px;height:12px;padding:0;"
+                   "border:1px solid #fff}.tl td.label{width:auto;padding-right:4px;border:0}.tl td.now{outline:"
+                   "2px solid #111}" + "".join(f".tl .s-{state or 'none'}{{background:{colour}}}"
+                                             for state, (colour, _) in TIMELINE_STATES.items()) + "</style>")
+
+
+def timeline_states(result: ReplayResult) -> list[list[str]]:
+    """What each request did in each step of a replay: rows = requests (trace order), columns = steps, each a key
+    of TIMELINE_STATES. A request is waiting from its arrival until a step schedules it (or after a preemption)."""
+    grid, done = [], set()
+    for step in result.steps:
+        prefills = {request_id for request_id, _ in step.prefills}
+        column = []
+        for record in result.requests:
+            rid = record.request_id
+            column.append("finished" if rid in done else "decode" if rid in step.decodes else
+                          "prefill" if rid in prefills else "preempted" if rid in step.preempted else
+                          "waiting" if record.arrival_time <= step.start else "")
+        grid.append(column)
+        done.update(step.finished)
+    return [list(row) for row in zip(*grid)] if grid else [[] for _ in result.requests]
+
+
+def schedule_caption(step: StepRecord) -> str:
+    """One line on what a step ran: its clock interval, its tokens, prefill chunks, decodes, preemptions, finishes."""
+    chunks = ", ".join(f"req {request_id}: {n}" for request_id, n in step.prefills) or "none"
+    text = (f"step {step.index}: clock {step.start:.3f} to {step.start + step.duration:.3f}, "
+            f"{step.num_batched_tokens} tokens = {len(step.decodes)} decodes + prefill chunks [{chunks}]")
+    if step.preempted:
+        text += f"; preempted: req {', '.join(step.preempted)}"
+    if step.finished:
+        text += f"; finished: req {', '.join(step.finished)}"
+    return text
+
+
+def timeline_html(result: ReplayResult, upto: int | None = None, window: int = 60) -> str:
+    """The timeline of steps [upto - window + 1, upto] (default: the last `window` steps), rows = requests; the column
+    of step `upto` is outlined and captioned. Each cell's class is s-<state> (s-none: not arrived)."""
+    states = timeline_states(result)
+    upto = len(result.steps) - 1 if upto is None else upto
+    first = max(0, upto - window + 1)
+    head = "".join(f'<td style="text-align:left">{k}</td>' if k % 10 == 0 else "<td></td>"
+                   for k in range(first, upto + 1))
+    rows = [f'<tr class="steps"><td class="label">step</td>{head}</tr>']
+    for record, row in zip(result.requests, states):
+        cells = "".join(f'<td class="s-{row[k] or "none"}{" now" if k == upto else ""}"></td>'
+                        for k in range(first, upto + 1))
+        rows.append(f'<tr><td class="label">req {html.escape(record.request_id)}</td>{cells}</tr>')
+    legend = " ".join(f'<span class="s-{state or "none"}" style="display:inline-block;width:10px;height:10px;'
+                      f'border:1px solid #999"></span> {name}' for state, (_, name) in TIMELINE_STATES.items())
+    caption = html.escape(schedule_caption(result.steps[upto])) if result.steps else "no steps"
+    return (f'<div class="timeline">{_TIMELINE_STYLE}<div style="font:12px monospace;margin:2px 0">{caption}</div>'
+            f'<table class="tl">{"".join(rows)}</table><div style="font:11px sans-serif">{legend}</div></div>')
+
+
+def timeline_player(result: ReplayResult, window: int = 60, interval_ms: int = 250) -> widgets.VBox:
+    """A Play button and a slider over the steps of a replay, redrawing the timeline up to the chosen step."""
+    last = len(result.steps) - 1
+    play = widgets.Play(min=0, max=last, interval=interval_ms, description="play")
+    slider = widgets.IntSlider(min=0, max=last, value=last, description="step")
+    widgets.jslink((play, "value"), (slider, "value"))
+    view = widgets.HTML(timeline_html(result, last, window))
+    slider.observe(lambda change: setattr(view, "value", timeline_html(result, change["new"], window)), names="value")
+    return widgets.VBox([widgets.HBox([play, slider]), view])
+
+
+def plot_token_gaps(results: dict[str, ReplayResult], request_ids: list[str], title: str = ""):
+    """For each replay, the gap before each output token of the given requests against the time it appeared:
+    a long prefill in the batch shows as a spike in every running decode's gap."""
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.2), sharey=True, squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        for record in result.requests:
+            if record.request_id in request_ids:
+                ax.plot(record.token_times[1:], record.itl, marker=".", label=f"req {record.request_id}")
+        ax.set(title=label, xlabel="clock (s)")
+    axes[0][0].set_ylabel("gap before the token (s)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def empirical_cdf(values) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted values and the fraction of values <= each."""
+    x = np.sort(np.asarray(values, dtype=float))
+    return x, np.arange(1, x.size + 1) / x.size
+
+
+def plot_latency_cdfs(results: dict[str, dict[float, ReplayResult]], slo: SLO | None = None):
+    """Distributions of TTFT, TPOT and each request's worst inter-token gap (rows), one column per request rate,
+    one curve per configuration; an SLO's finite limits as dashed lines."""
+    rates = sorted(next(iter(results.values())))
+    metrics = [("TTFT (s)", lambda r: [r.ttft], "ttft"), ("TPOT (s)", lambda r: [r.tpot] if r.tpot else [], "tpot"),
+               ("worst gap between tokens (s)", lambda r: [max(r.itl)] if r.itl else [], "itl")]
+    fig, axes = plt.subplots(len(metrics), len(rates), figsize=(3.6 * len(rates), 2.6 * len(metrics)), squeeze=False)
+    for row, (name, values, limit) in enumerate(metrics):
+        for col, rate in enumerate(rates):
+            ax = axes[row][col]
+            for label, by_rate in results.items():
+                ax.step(*empirical_cdf([v for r in by_rate[rate].requests for v in values(r)]), where="post",
+                        label=label)
+            if slo is not None and np.isfinite(getattr(slo, limit)):
+                ax.axvline(getattr(slo, limit), color="k", ls="--", lw=1)
+            ax.set(xlabel=name, ylim=(0, 1.02))
+        axes[row][0].set_ylabel("fraction of requests")
+    for col, rate in enumerate(rates):
+        axes[0][col].set_title(f"{rate:g} requests/s")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_goodput(results: dict[str, dict[float, ReplayResult]], slos: dict[str, SLO]):
+    """One panel per SLO: goodput (solid) and throughput (dotted) of each configuration against the offered rate."""
+    fig, axes = plt.subplots(1, len(slos), figsize=(4.4 * len(slos), 3.4), sharey=True, squeeze=False)
+    for ax, (title, slo) in zip(axes[0], slos.items()):
+        for k, (label, by_rate) in enumerate(results.items()):
+            rates = sorted(by_rate)
+            summaries = [by_rate[rate].summary(slo) for rate in rates]
+            colour = PALETTE[k % len(PALETTE)]
+            ax.plot(rates, [s["goodput_rps"] for s in summaries], "o-", color=colour, label=f"{label}")
+            ax.plot(rates, [s["throughput_rps"] for s in summaries], ":", color=colour)
+        ax.set(xlabel="offered load (requests/s)", title=title)
+    axes[0][0].set_ylabel("goodput (solid), throughput (dotted), req/s")
+    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     return fig
