@@ -43,7 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
-        self.prefix_query_tokens = 0   # prompt tokens looked up in the prefix cache (when it is on)
+        self.prefix_query_tokens = 0   # prompt tokens admitted
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -89,9 +89,8 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, out)
             budget -= num_new
-            if self.block_manager.enable_prefix_caching:
-                self.prefix_hit_tokens += num_cached
-                self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += num_cached
+            self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
