@@ -446,14 +446,19 @@ def snapshot_html(snap: PoolSnapshot) -> str:
     return f'<div class="pool-snapshot">{caption}{block_tables_html(snap)}{physical_pool_html(snap)}</div>'
 
 
-def pool_player(frames: list[PoolSnapshot], interval_ms: int = 700) -> widgets.VBox:
-    """A Play button and a slider that step through snapshots, redrawing the tables and the pool."""
-    play = widgets.Play(min=0, max=len(frames) - 1, interval=interval_ms, description="play")
-    slider = widgets.IntSlider(min=0, max=len(frames) - 1, description="frame")
+def player(num_frames: int, render, interval_ms: int = 700, start: int = 0, label: str = "frame") -> widgets.VBox:
+    """A Play button and a slider over frames 0..num_frames-1; render(i) returns the HTML of frame i."""
+    play = widgets.Play(min=0, max=num_frames - 1, interval=interval_ms, description="play")
+    slider = widgets.IntSlider(min=0, max=num_frames - 1, value=start, description=label)
     widgets.jslink((play, "value"), (slider, "value"))
-    view = widgets.HTML(snapshot_html(frames[0]))
-    slider.observe(lambda change: setattr(view, "value", snapshot_html(frames[change["new"]])), names="value")
+    view = widgets.HTML(render(start))
+    slider.observe(lambda change: setattr(view, "value", render(change["new"])), names="value")
     return widgets.VBox([widgets.HBox([play, slider]), view])
+
+
+def pool_player(frames: list[PoolSnapshot], interval_ms: int = 700) -> widgets.VBox:
+    """Step through snapshots, redrawing the tables and the pool."""
+    return player(len(frames), lambda i: snapshot_html(frames[i]), interval_ms)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -590,13 +595,8 @@ def cache_snapshot_html(snap: CacheSnapshot) -> str:
 
 
 def cache_player(frames: list[CacheSnapshot], interval_ms: int = 900) -> widgets.VBox:
-    """pool_player for CacheSnapshots: a Play button and a slider over the frames."""
-    play = widgets.Play(min=0, max=len(frames) - 1, interval=interval_ms, description="play")
-    slider = widgets.IntSlider(min=0, max=len(frames) - 1, description="frame")
-    widgets.jslink((play, "value"), (slider, "value"))
-    view = widgets.HTML(cache_snapshot_html(frames[0]))
-    slider.observe(lambda change: setattr(view, "value", cache_snapshot_html(frames[change["new"]])), names="value")
-    return widgets.VBox([widgets.HBox([play, slider]), view])
+    """pool_player for CacheSnapshots."""
+    return player(len(frames), lambda i: cache_snapshot_html(frames[i]), interval_ms)
 
 
 def scheduled_prefills(engine) -> list[dict]:
@@ -790,12 +790,7 @@ def timeline_html(result: ReplayResult, upto: int | None = None, window: int = 6
 def timeline_player(result: ReplayResult, window: int = 60, interval_ms: int = 250) -> widgets.VBox:
     """A Play button and a slider over the steps of a replay, redrawing the timeline up to the chosen step."""
     last = len(result.steps) - 1
-    play = widgets.Play(min=0, max=last, interval=interval_ms, description="play")
-    slider = widgets.IntSlider(min=0, max=last, value=last, description="step")
-    widgets.jslink((play, "value"), (slider, "value"))
-    view = widgets.HTML(timeline_html(result, last, window))
-    slider.observe(lambda change: setattr(view, "value", timeline_html(result, change["new"], window)), names="value")
-    return widgets.VBox([widgets.HBox([play, slider]), view])
+    return player(last + 1, lambda step: timeline_html(result, step, window), interval_ms, start=last, label="step")
 
 
 def plot_token_gaps(results: dict[str, ReplayResult], request_ids: list[str], title: str = ""):
