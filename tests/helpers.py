@@ -34,3 +34,13 @@ def assert_pool_empty(llm: LLM) -> None:
     assert manager.num_free_blocks == manager.num_blocks
     assert manager.block_tables == {}
     assert all(block.ref_count == 0 for block in manager.blocks)
+
+
+def run_engine(engine, prompts, params) -> list[list[int]]:
+    """Add every prompt at once and step the engine until all finish; token ids come back in prompt order."""
+    ids = [engine.add_request(engine.make_request(p, params)) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    return [outputs[i] for i in ids]

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
 from paged import SamplingParams
 from paged.sampling import filter_logits
 
@@ -23,16 +23,8 @@ def reference(tiny_model):
 def test_preemption_by_recompute_keeps_outputs(tiny_model, reference):
     prompts, expected = reference
     llm = make_tiny_llm(tiny_model, num_blocks=12, block_size=8)  # 96 slots for ten sequences of up to 80 tokens
-    engine = llm.engine
-    for prompt in prompts:
-        engine.add_request(engine.make_request(prompt, GREEDY))
-    outputs, preemptions = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[int(out.request_id)] = out.outputs[0].token_ids
-        preemptions = max(preemptions, engine.kv_stats()["num_preemptions"])
-    assert preemptions > 0
-    assert [outputs[i] for i in range(len(prompts))] == expected
+    assert run_engine(llm.engine, prompts, GREEDY) == expected
+    assert llm.kv_stats()["num_preemptions"] > 0
     assert_pool_empty(llm)
 
 

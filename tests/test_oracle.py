@@ -5,7 +5,7 @@ import torch
 
 from paged import SamplingParams
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
 
 NEW_TOKENS = 48
 
@@ -75,15 +75,8 @@ def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(
     llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8, device="cpu",
               dtype=torch.float32)
-    engine = llm.engine
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for prompt in chat_prompts:
-        engine.add_request(engine.make_request(prompt, params))
-    outputs, preempted = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[int(out.request_id)] = out.outputs[0].token_ids
-        preempted += len(engine.last_schedule.preempted)
-    assert preempted > 0 and llm.kv_stats()["prefix_hit_tokens"] > 0
-    assert [outputs[i] for i in range(len(chat_prompts))] == hf_reference
+    assert run_engine(llm.engine, chat_prompts, params) == hf_reference
+    stats = llm.kv_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert_pool_empty(llm)
