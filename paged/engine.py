@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .block_manager import BlockManager, cdiv
+from .geometry import KVGeometry
 from .kv_cache import KVCache
 from .model import AttentionMetadata, PagedLlama
 from .sampling import SamplingParams, sample
@@ -32,10 +33,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = model.device
         self.max_model_len = model.max_position
-        bytes_per_block = 2 * len(model.layers) * block_size * model.num_kv_heads * model.head_dim \
-            * model.embed_tokens.element_size()
         if num_blocks is None:
-            num_blocks = kv_cache_memory // bytes_per_block
+            num_blocks = KVGeometry.from_config(model.config, model.dtype).pool_blocks(kv_cache_memory, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=self.device)
