@@ -46,6 +46,7 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self.num_steps = 0
         self.last_schedule = None
+        self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -148,6 +149,8 @@ class LLMEngine:
         """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
         logits [len(sequences), vocab]; the caller samples (step) or searches (beam_search)."""
         self.num_steps += 1
+        for observe in self.forward_observers:  # the tables are as this step uses them, copies made or queued
+            observe(plan)
         now = self.clock()
         for seq, _ in plan.scheduled:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now

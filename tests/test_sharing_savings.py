@@ -88,7 +88,7 @@ def test_on_forward_sees_the_step_copies(tiny_model):
                      SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=0, ignore_eos=True), use_tqdm=False)
     assert seen[0] == (1, [])                      # the prefill: one sequence, nothing to copy
     assert seen[1][0] == 3 and len(seen[1][1]) == 2  # first decode: two of three writers copy the partial block
-    assert "execute" not in vars(engine)
+    assert engine.forward_observers == []  # the observer is gone again
 
 
 def test_beam_search_rows_on_a_trace(tiny_model):
@@ -126,7 +126,7 @@ def test_beam_search_frames(tiny_model):
     assert all(len(frame.tables) <= 3 for frame in frames)
     # each frame is the pool as its forward pass sees it, as block_usage counts it
     assert [BlockSteps.of(frame.tables.values()) for frame in frames] == [BlockSteps(*u) for u in output.block_usage]
-    assert "execute" not in vars(llm.engine)
+    assert llm.engine.forward_observers == []
     assert_pool_empty(llm)
 
 
