@@ -250,6 +250,13 @@ class LLMEngine:
         }
 
 
+def as_prompt_list(prompts) -> list:
+    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """vLLM's offline API over the paged engine.
 
@@ -286,8 +293,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -315,8 +321,7 @@ class LLM:
     def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 32, length_penalty: float = 1.0):
         """Beam search whose beams share blocks; returns one BeamSearchOutput per prompt, best beam first."""
         from .beam_search import beam_search
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = as_prompt_list(prompts)
         return beam_search(self.engine, prompts, beam_width, max_tokens, length_penalty)
 
     def kv_stats(self) -> dict:
