@@ -31,20 +31,33 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
+def block_ids(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
+    """The physical blocks holding each sequence's first max_len tokens: int64 [num_seqs, ceil(max_len / bs)].
+
+    Table entries past a sequence's last block may hold anything; they are replaced by block 0 so that the
+    gather stays inside the pool (callers mask those positions).
+    """
+    num_table_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_table_blocks].long()
+    owned = -(-context_lens.long() // block_size)                          # [num_seqs] blocks each sequence owns
+    return torch.where(torch.arange(num_table_blocks, device=table.device) < owned[:, None], table, 0)
+
+
+def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, max_len: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, Hkv, D], ids [num_seqs, nb] from block_ids -> [num_seqs, max_len, Hkv, D]."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = F.embedding(ids, cache.view(num_blocks, -1))                 # [num_seqs, nb, block_size * Hkv * D]
+    return blocks.view(ids.shape[0], -1, num_kv_heads, head_dim)[:, :max_len]
+
+
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
               max_len: int) -> torch.Tensor:
     """Read the first max_len tokens of every sequence through its block table.
 
     Returns [num_seqs, max_len, num_kv_heads, head_dim]; positions at or past a sequence's context length hold
-    whatever its unused table entries point at (block 0), so callers must mask them.
+    whatever block 0 holds, so callers must mask them.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    num_table_blocks = -(-max_len // block_size)
-    table = block_tables[:, :num_table_blocks].long()                      # [num_seqs, nb]
-    used = -(-context_lens.long() // block_size)                           # [num_seqs] blocks each sequence owns
-    table = torch.where(torch.arange(num_table_blocks, device=table.device) < used[:, None], table, 0)
-    blocks = F.embedding(table, cache.view(num_blocks, -1))                # [num_seqs, nb, block_size * Hkv * D]
-    return blocks.view(table.shape[0], num_table_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
+    return gather_blocks(cache, block_ids(block_tables, context_lens, max_len, cache.shape[1]), max_len)
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -59,8 +72,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
-    keys = gather_kv(key_cache, block_tables, context_lens, max_len).transpose(1, 2)      # [S, Hkv, L, D]
-    values = gather_kv(value_cache, block_tables, context_lens, max_len).transpose(1, 2)  # [S, Hkv, L, D]
+    ids = block_ids(block_tables, context_lens, max_len, key_cache.shape[1])             # the same for K and V
+    keys = gather_blocks(key_cache, ids, max_len).transpose(1, 2)                         # [S, Hkv, L, D]
+    values = gather_blocks(value_cache, ids, max_len).transpose(1, 2)                     # [S, Hkv, L, D]
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)                       # [S, Hkv, G, D]
     in_context = torch.arange(max_len, device=query.device) < context_lens[:, None]      # [S, L]
     out = F.scaled_dot_product_attention(q, keys.float(), values.float(),
@@ -99,8 +113,9 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     causal = torch.arange(max_len, device=device)[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]
     causal = causal.repeat_interleave(group, dim=1)[:, None]                      # [S, 1, max_q * G, L]
 
-    keys = gather_kv(key_cache, block_tables, context_lens, max_len).transpose(1, 2)      # [S, Hkv, L, D]
-    values = gather_kv(value_cache, block_tables, context_lens, max_len).transpose(1, 2)  # [S, Hkv, L, D]
+    ids = block_ids(block_tables, context_lens, max_len, key_cache.shape[1])             # the same for K and V
+    keys = gather_blocks(key_cache, ids, max_len).transpose(1, 2)                         # [S, Hkv, L, D]
+    values = gather_blocks(value_cache, ids, max_len).transpose(1, 2)                     # [S, Hkv, L, D]
     out = F.scaled_dot_product_attention(q, keys.float(), values.float(), attn_mask=causal, scale=scale)
     out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [S, max_q, Hkv, G, D]
     return out.reshape(num_seqs, max_q, num_heads, head_dim)[is_real].to(query.dtype)  # [num_tokens, H, D]

@@ -131,7 +131,9 @@ class LLMEngine:
             while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
                 sampled_seqs.append(self.fork(seq))
                 rows.append(row)
-        tokens = sample(logits[rows], [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
+        if len(rows) > logits.shape[0]:  # forks sample from their parent's row
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        tokens = sample(logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
                         self.generator)
         now = self.clock()
         finished = []

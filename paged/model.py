@@ -43,17 +43,24 @@ def attention_backend(name: str) -> SimpleNamespace:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As LlamaRMSNorm: normalise in fp32, scale in the model's dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """As LlamaRMSNorm (x * rsqrt(mean(x^2) + eps) * weight), in one fused op; bit-equal to HF's in fp32."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim]; cos, sin [num_tokens, head_dim] (the two halves repeat, as in HF)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (cos, sin) [positions, head_dim] -> (cos, sin with its first half negated), for apply_rope."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim]; cos, signed_sin [num_tokens, head_dim] from rope_tables.
+
+    HF rotates x = [x1, x2] into x * cos + [-x2, x1] * sin. Rolling x by half a head gives [x2, x1]; the minus
+    sign lives in signed_sin. The products are the same floats, so the result is bit-equal to HF's.
+    """
+    out = x * cos[:, None, :]
+    return out.add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin[:, None, :]))
 
 
 @dataclass
@@ -99,7 +106,7 @@ class PagedLlama:
         with torch.no_grad():
             positions = torch.arange(self.max_position, device=self.device)[None]
             cos, sin = body.rotary_emb(self.embed_tokens[:1][None], positions)
-        self.cos, self.sin = cos[0], sin[0]                      # [max_position, head_dim]
+        self.cos, self.signed_sin = rope_tables(cos[0], sin[0])  # [max_position, head_dim]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -107,8 +114,9 @@ class PagedLlama:
         """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] in fp32."""
         num_tokens = input_ids.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]       # [num_tokens, head_dim]
-        hidden = self.embed_tokens[input_ids]                      # [num_tokens, hidden]
+        # Row lookups go through F.embedding: on a CPU, advanced indexing (tensor[ids]) can be many times slower.
+        cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.signed_sin)  # [tokens, head_dim]
+        hidden = F.embedding(input_ids, self.embed_tokens)                          # [num_tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
             qk, v = F.linear(x, layer.qkv).split([q_size + kv_size, kv_size], dim=-1)
@@ -116,11 +124,11 @@ class PagedLlama:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
-            hidden = hidden + F.linear(out.view(num_tokens, q_size), layer.o)
+            hidden += F.linear(out.view(num_tokens, q_size), layer.o)
             x = rms_norm(hidden, layer.post_norm, self.eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        last = rms_norm(hidden[logits_indices], self.final_norm, self.eps)  # [num_logits, hidden]
+            hidden += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+        last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
         return F.linear(last, self.lm_head).float()                         # [num_logits, vocab]
 
     def _attention(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
