@@ -1,0 +1,83 @@
+"""Where the time of one engine step goes (guide §11, §13): torch's profiler over warm decode steps, with every
+aten op put in the part of the forward pass it serves.
+
+    python benchmarks/step_profile.py                          # 64 chat prompts, steps 59-68 of 128
+    python benchmarks/step_profile.py --num-prompts 16 --steps 3
+
+The engine runs the benchmark's chat prompts to the middle of their decode, then profiles a few steps. Each op's
+own time (not counting the ops it calls) is summed into a part; "python and scheduling" is what the step's wall
+time under the profiler has beyond all ops, so it includes the profiler's own cost (a few microseconds an op); the
+step time without the profiler is printed too. On a shared machine the parts' sizes move together.
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from paged import LLM, SamplingParams
+from paged.models import load_hf_model
+from throughput import chat_prompts
+
+PARTS = {  # aten op -> what it does in a decode step of paged/model.py and paged/attention.py
+    "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
+    "aten::index_select": "K/V gather through the block tables",
+    "aten::embedding": "K/V gather through the block tables",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
+    "aten::index_copy_": "K/V write into the pool",
+    "aten::argmax": "sampling",
+}
+
+
+def part_of(op: str) -> str:
+    return PARTS.get(op, "other ops (norms, RoPE, SiLU, residuals, masks, views)")
+
+
+def profile_steps(engine, steps: int) -> tuple[float, float, dict[str, float]]:
+    """Run `steps` engine steps plainly, then `steps` more under the profiler.
+
+    Returns (ms a step without the profiler, ms a step with it, {part: ms a step}); the parts add up to the second.
+    """
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain_ms = (time.perf_counter() - start) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    parts: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.key.startswith("aten::"):
+            parts[part_of(event.key)] = parts.get(part_of(event.key), 0.0) + event.self_cpu_time_total / 1e3 / steps
+    parts["python, scheduling and the profiler's own cost"] = max(0.0, wall_ms - sum(parts.values()))
+    return plain_ms, wall_ms, parts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="decode steps to time, and as many to profile")
+    args = parser.parse_args()
+    model, tokenizer = load_hf_model()
+    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=2048,
+              max_num_seqs=args.num_prompts)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for prompt in chat_prompts(tokenizer, args.num_prompts):
+        engine.add_request(engine.make_request(prompt, params))
+    for _ in range(args.max_tokens // 2 - args.steps):  # prefill, then decode to the middle of the run
+        engine.step()
+    context = max(seq.num_tokens for seq in engine.scheduler.running)
+    plain_ms, wall_ms, parts = profile_steps(engine, args.steps)
+    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens: {plain_ms:.1f} ms a step, "
+          f"{wall_ms:.1f} ms under the profiler")
+    for name, ms in sorted(parts.items(), key=lambda item: -item[1]):
+        print(f"  {name:<58} {ms:7.1f} ms {ms / wall_ms:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
