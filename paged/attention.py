@@ -107,7 +107,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     i = torch.arange(max_q, device=device)
     is_real = i[None, :] < query_lens[:, None]                                    # [S, max_q]
     token_index = (starts[:, None] + i[None, :]).clamp(max=num_tokens - 1)        # [S, max_q]
-    q = query.float()[token_index].view(num_seqs, max_q, num_kv_heads, group, head_dim)
+    q = query.float().index_select(0, token_index.view(-1)).view(num_seqs, max_q, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_q * group, head_dim)  # rows (query, group)
     q_pos = context_lens.long()[:, None] - query_lens[:, None] + i[None, :]       # [S, max_q]
     causal = torch.arange(max_len, device=device)[None, None, :] <= q_pos[:, :, None]  # [S, max_q, L]

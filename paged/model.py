@@ -47,14 +47,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's (cos, sin) [positions, head_dim] -> (cos, sin with its first half negated), for apply_rope."""
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """HF's sin table [positions, head_dim] with its first half negated, for apply_rope."""
     half = sin.shape[-1] // 2
-    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim]; cos, signed_sin [num_tokens, head_dim] from rope_tables.
+    """x [num_tokens, heads, head_dim]; cos and signed_sine(sin) [num_tokens, head_dim], HF's tables.
 
     HF rotates x = [x1, x2] into x * cos + [-x2, x1] * sin. Rolling x by half a head gives [x2, x1]; the minus
     sign lives in signed_sin. The products are the same floats, so the result is bit-equal to HF's.
@@ -106,7 +106,7 @@ class PagedLlama:
         with torch.no_grad():
             positions = torch.arange(self.max_position, device=self.device)[None]
             cos, sin = body.rotary_emb(self.embed_tokens[:1][None], positions)
-        self.cos, self.signed_sin = rope_tables(cos[0], sin[0])  # [max_position, head_dim]
+        self.cos, self.signed_sin = cos[0], signed_sine(sin[0])  # [max_position, head_dim]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
