@@ -14,6 +14,7 @@ import torch
 from .block_manager import cdiv
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .sharing import BlockSteps
 
 
 @dataclass
@@ -125,5 +126,5 @@ def _record_usage(engine, beams, history) -> None:
     """Blocks held at the forward pass, when every copy-on-write copy of this step has been made."""
     if not beams:
         return
-    tables = [engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams]
-    history.append((len({b for t in tables for b in t}), sum(len(t) for t in tables)))
+    held = BlockSteps.of(engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams)
+    history.append((held.physical, held.logical))

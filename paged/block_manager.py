@@ -107,10 +107,14 @@ class BlockManager:
         every shared block it is about to write into (tokens write_from..num_tokens-1)."""
         table = self.block_tables.get(seq_id, ())
         grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
+        return grow + sum(1 for i in self._written_blocks(table, num_tokens, write_from)
+                          if self.blocks[table[i]].ref_count > 1)
+
+    def _written_blocks(self, table, num_tokens: int, write_from: int | None) -> range:
+        """Indices of the table's existing blocks that tokens write_from..num_tokens-1 write into."""
         if write_from is None:
-            return grow
-        written = range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size)))
-        return grow + sum(1 for i in written if self.blocks[table[i]].ref_count > 1)
+            return range(0)
+        return range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size)))
 
     def can_allocate(self, num_tokens: int, seq_id: int | None = None, cached_blocks: list[Block] = (),
                      write_from: int | None = None) -> AllocStatus:
@@ -140,13 +144,12 @@ class BlockManager:
             table.append(block.block_id)
         if cached_blocks:
             self.block_hashes[seq_id] = [block.block_hash for block in cached_blocks]
-        if write_from is not None:
-            for index in range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size))):
-                shared = self.blocks[table[index]]
-                if shared.ref_count > 1:  # copy-on-write: the others keep the original
-                    shared.ref_count -= 1
-                    table[index] = self._take_free_block().block_id
-                    self.pending_copies.append((shared.block_id, table[index]))
+        for index in self._written_blocks(table, num_tokens, write_from):
+            shared = self.blocks[table[index]]
+            if shared.ref_count > 1:  # copy-on-write: the others keep the original
+                shared.ref_count -= 1
+                table[index] = self._take_free_block().block_id
+                self.pending_copies.append((shared.block_id, table[index]))
         for _ in range(cdiv(num_tokens, self.block_size) - len(table)):
             table.append(self._take_free_block().block_id)
         return table
@@ -172,13 +175,17 @@ class BlockManager:
             return []
         hits, parent = [], None
         for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
-            key = (parent, tuple(token_ids[start:start + self.block_size]), extra_key)
+            key = self._hash_key(parent, token_ids, start, extra_key)
             block = self.cached.get(hash(key))
             if block is None or block.hash_key != key:
                 break
             hits.append(block)
             parent = block.block_hash
         return hits
+
+    def _hash_key(self, parent_hash: int | None, token_ids: list[int], start: int, extra_key) -> tuple:
+        """What names the full block of tokens start..start+block_size-1: its hash is hash() of this key."""
+        return parent_hash, tuple(token_ids[start:start + self.block_size]), extra_key
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra_key=None) -> None:
         """Register the blocks of seq_id that are now full of computed tokens under their chained hashes."""
@@ -187,8 +194,7 @@ class BlockManager:
         hashes = self.block_hashes.setdefault(seq_id, [])
         table = self.block_tables[seq_id]
         for index in range(len(hashes), num_computed_tokens // self.block_size):
-            start = index * self.block_size
-            key = (hashes[-1] if hashes else None, tuple(token_ids[start:start + self.block_size]), extra_key)
+            key = self._hash_key(hashes[-1] if hashes else None, token_ids, index * self.block_size, extra_key)
             block_hash = hash(key)
             hashes.append(block_hash)
             block = self.blocks[table[index]]
