@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import cdiv
+from .inputs import integer, real
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .sharing import BlockSteps
@@ -34,18 +35,28 @@ class BeamSearchOutput:
 
 
 def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> list[BeamSearchOutput]:
-    if not isinstance(beam_width, int) or beam_width < 1:
-        raise ValueError(f"beam_width must be an integer >= 1, got {beam_width!r}")
+    engine.require_idle("beam_search")
+    vocab = engine.model.embed_tokens.shape[0]
+    beam_width, max_num_seqs = integer("beam_width", beam_width, low=1), engine.scheduler.max_num_seqs
+    if beam_width > min(vocab // 2, max_num_seqs):
+        raise ValueError(f"beam_width ({beam_width}) must be at most {min(vocab // 2, max_num_seqs)}: every beam is a "
+                         f"running sequence (max_num_seqs is {max_num_seqs}), and each step ranks 2 x beam_width "
+                         f"candidates per beam from a vocabulary of {vocab}")
+    length_penalty = real("length_penalty", length_penalty)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     requests = [engine.make_request(p, params) for p in prompts]  # validates every prompt first
+    if not requests:
+        return []
     manager = engine.block_manager
+    # A beam grows to at most max_tokens new tokens, and never past the model's context.
+    limits = [min(max_tokens, engine.max_model_len - len(r.prompt_token_ids)) for r in requests]
     # Beams of one prompt must advance together, so a prompt runs only while all its beams fit at full length,
     # with one spare block per beam for a copy-on-write.
-    need = [beam_width * (cdiv(len(r.prompt_token_ids) + max_tokens, manager.block_size) + 1) for r in requests]
-    if max(need) > manager.num_blocks or beam_width > engine.scheduler.max_num_seqs:
-        raise ValueError(f"beam_width={beam_width} beams of up to {max_tokens} new tokens need {max(need)} blocks "
-                         f"and {beam_width} sequences; the pool has {manager.num_blocks} blocks and max_num_seqs is "
-                         f"{engine.scheduler.max_num_seqs}")
+    need = [beam_width * (cdiv(len(r.prompt_token_ids) + limit, manager.block_size) + 1)
+            for r, limit in zip(requests, limits)]
+    if max(need) > manager.num_blocks:
+        raise ValueError(f"beam_width={beam_width} beams of up to {max_tokens} new tokens need {max(need)} blocks; "
+                         f"the pool has {manager.num_blocks}: lower beam_width or max_tokens, or raise num_blocks")
     outputs, start = [], 0
     while start < len(requests):  # as many prompts at once as the pool holds
         end, blocks = start, 0
@@ -53,20 +64,41 @@ def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalt
                 and (end - start + 1) * beam_width <= engine.scheduler.max_num_seqs:
             blocks += need[end]
             end += 1
-        outputs += _search_group(engine, requests[start:end], beam_width, max_tokens, length_penalty)
+        outputs += _search_group(engine, requests[start:end], limits[start:end], beam_width, length_penalty)
         start = end
     return outputs
 
 
-def _search_group(engine, requests, beam_width, max_tokens, length_penalty):
-    eos = engine.eos_token_id
+def _search_group(engine, requests, limits, beam_width, length_penalty):
     for request in requests:
         engine.add_request(request)
+    try:
+        done, usage = _search(engine, requests, limits, beam_width)
+    except BaseException:  # an interrupt or an error: every beam gives its blocks back
+        _release(engine, [seq for request in requests for seq in request.seqs if not seq.is_finished])
+        raise
+    finally:
+        for request in requests:
+            engine.requests.pop(request.request_id, None)
+    results = []
+    for request in requests:
+        ranked = sorted(done[request.request_id],
+                        key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[:beam_width]
+        sequences = [BeamSearchSequence(tokens, score, engine._decode(tokens), ended) for tokens, score, ended in ranked]
+        results.append(BeamSearchOutput(request.prompt_token_ids, sequences, usage[request.request_id]))
+    return results
+
+
+def _search(engine, requests, limits, beam_width):
+    """Step the group's beams until every prompt is done."""
     live = {r.request_id: [(r.seqs[0], 0.0)] for r in requests}        # request -> [(sequence, cum logprob)]
     done = {r.request_id: [] for r in requests}                        # request -> [(tokens, cum logprob, eos?)]
     usage = {r.request_id: [] for r in requests}
+    limit_of = {r.request_id: limit for r, limit in zip(requests, limits)}
     while any(live.values()):
         plan = engine.scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
+        if not plan.scheduled:
+            raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
         for request in requests:
             _record_usage(engine, live[request.request_id], usage[request.request_id])
         sampled, logits = engine.execute(plan)
@@ -82,22 +114,17 @@ def _search_group(engine, requests, beam_width, max_tokens, length_penalty):
                 candidates += [(score + lp, seq, tok) for lp, tok in zip(top.values.tolist(), top.indices.tolist())]
             candidates.sort(key=lambda c: -c[0])
             kept = candidates[:beam_width]
-            finished = [(seq.output_token_ids + [tok], score, True) for score, seq, tok in kept if tok == eos]
-            continuing = [(score, seq, tok) for score, seq, tok in kept if tok != eos]
-            done[request.request_id] += finished
+            ends = engine.eos_token_ids
+            done[request.request_id] += [(seq.output_token_ids + [tok], score, True)
+                                         for score, seq, tok in kept if tok in ends]
+            continuing = [(score, seq, tok) for score, seq, tok in kept if tok not in ends]
             live[request.request_id] = _advance(engine, beams, continuing)
-            if live[request.request_id] and len(live[request.request_id][0][0].output_token_ids) >= max_tokens:
-                done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in live[request.request_id]]
-                _release(engine, [seq for seq, _ in live[request.request_id]])
+            beams = live[request.request_id]
+            if beams and len(beams[0][0].output_token_ids) >= limit_of[request.request_id]:
+                done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in beams]
+                _release(engine, [seq for seq, _ in beams])
                 live[request.request_id] = []
-    results = []
-    for request in requests:
-        engine.requests.pop(request.request_id, None)
-        ranked = sorted(done[request.request_id],
-                        key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[:beam_width]
-        sequences = [BeamSearchSequence(tokens, score, engine._decode(tokens), ended) for tokens, score, ended in ranked]
-        results.append(BeamSearchOutput(request.prompt_token_ids, sequences, usage[request.request_id]))
-    return results
+    return done, usage
 
 
 def _advance(engine, beams, continuing) -> list[tuple[Sequence, float]]:

@@ -19,6 +19,8 @@ eviction: a block taken from its head for fresh use loses its hash then, and onl
 import enum
 from dataclasses import dataclass, field
 
+from .inputs import integer
+
 
 class AllocStatus(enum.Enum):
     """The admission check's answer for a request."""
@@ -84,10 +86,10 @@ class BlockManager:
     """Hands out blocks to sequences and keeps their block tables. Sequences are named by integer ids."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        block_size = integer("block_size", block_size, low=1)
+        if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        num_blocks = integer("num_blocks", num_blocks, low=1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -187,10 +189,13 @@ class BlockManager:
         """What names the full block of tokens start..start+block_size-1: its hash is hash() of this key."""
         return parent_hash, tuple(token_ids[start:start + self.block_size]), extra_key
 
-    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra_key=None) -> None:
-        """Register the blocks of seq_id that are now full of computed tokens under their chained hashes."""
+    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
+                          extra_key=None) -> list[Block]:
+        """Register the blocks of seq_id that are now full of computed tokens under their chained hashes.
+        Returns the blocks that entered the cache (a block already named by an earlier copy does not)."""
         if not self.enable_prefix_caching:
-            return
+            return []
+        registered = []
         hashes = self.block_hashes.setdefault(seq_id, [])
         table = self.block_tables[seq_id]
         for index in range(len(hashes), num_computed_tokens // self.block_size):
@@ -201,6 +206,16 @@ class BlockManager:
             if block_hash not in self.cached and block.block_hash is None:  # keep the first copy of a prefix
                 block.block_hash, block.hash_key = block_hash, key
                 self.cached[block_hash] = block
+                registered.append(block)
+        return registered
+
+    def uncache(self, blocks: list[Block]) -> None:
+        """Take blocks out of the prefix cache: the step that was to write their K/V did not run to the end, so
+        nobody may find them by their hash."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = block.hash_key = None
 
     @property
     def num_cached_blocks(self) -> int:

@@ -3,7 +3,9 @@
     engine = LLMEngine(...); engine.add_request(prompt, params); while engine.has_unfinished_requests(): engine.step()
 
 `LLM.generate` does exactly that for a list of prompts, with a progress bar. Every request is validated before
-anything is queued, so a bad prompt raises a `ValueError` and leaves the engine as it was.
+anything is queued, so a bad prompt raises a `ValueError` and leaves the engine as it was. A step happens whole or
+not at all: if it is interrupted (KeyboardInterrupt, an error in a forward observer or the forward pass), its
+sequences are rolled back to be recomputed and nothing it did not compute stays in the prefix cache.
 """
 
 import itertools
@@ -14,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .block_manager import BlockManager, cdiv
 from .geometry import KVGeometry
+from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .model import AttentionMetadata, PagedLlama
 from .sampling import SamplingParams, sample
@@ -34,13 +37,13 @@ class LLMEngine:
         self.device = model.device
         self.max_model_len = model.max_position
         if num_blocks is None:
-            num_blocks = KVGeometry.from_config(model.config, model.dtype).pool_blocks(kv_cache_memory, block_size)
+            num_blocks = pool_blocks(model, kv_cache_memory, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.eos_token_id = getattr(model.config, "eos_token_id", None)
+        self.eos_token_ids = eos_token_ids(model.config)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._seq_counter = itertools.count()
@@ -52,12 +55,10 @@ class LLMEngine:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Tokenize and validate one prompt; raises ValueError and changes nothing if it cannot be served."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
-            text, token_ids = prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
+        text = prompt if isinstance(prompt, str) else None
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         vocab = self.model.embed_tokens.shape[0]
@@ -75,15 +76,29 @@ class LLMEngine:
         if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.scheduler.max_num_batched_tokens:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
                              f"({self.scheduler.max_num_batched_tokens}); raise it or enable_chunked_prefill=True")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n ({params.n}) is more than max_num_seqs ({self.scheduler.max_num_seqs}): a request's "
+                             f"completions run together; raise max_num_seqs or lower n")
         if request_id is None:
-            request_id = str(next(self._request_counter))
+            request_id = self._next_request_id()
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()))
 
+    def _next_request_id(self) -> str:
+        """A fresh automatic id, skipping any a caller chose for a request still in flight."""
+        while (request_id := str(next(self._request_counter))) in self.requests:
+            pass
+        return request_id
+
     def add_request(self, request: Request) -> str:
         """Queue a request made by make_request. One sequence prefills the prompt; with n > 1 it forks the
         other n - 1 when the prompt is done, and they all share the prompt's blocks (copy-on-write)."""
+        if request.request_id in self.requests or request.seqs:
+            raise ValueError(f"request_id {request.request_id!r} is already in use (or the request was added "
+                             f"before); make a new request")
         self.scheduler.add(self._new_sequence(request))
         self.requests[request.request_id] = request
         return request.request_id
@@ -108,12 +123,21 @@ class LLMEngine:
         return child
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its blocks return to the pool at once."""
-        request = self.requests.pop(request_id)
+        """Stop a request now; its blocks return to the pool at once. An unknown or finished id is ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
         self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def require_idle(self, caller: str) -> None:
+        """Drivers that step the engine for their own requests (generate, beam search, replay) need it to
+        themselves, or other callers' outputs would be taken by them."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"{caller} needs an idle engine: finish or abort its {len(self.requests)} "
+                             f"request(s) in flight first")
 
     # ---- one iteration ------------------------------------------------------------------------------------
 
@@ -127,14 +151,19 @@ class LLMEngine:
             return []
         sampled_seqs, logits = self.execute(plan)
         rows = list(range(len(sampled_seqs)))
-        for row, seq in enumerate(list(sampled_seqs)):
-            while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
-                sampled_seqs.append(self.fork(seq))
-                rows.append(row)
-        if len(rows) > logits.shape[0]:  # forks sample from their parent's row
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        tokens = sample(logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
-                        self.generator)
+        try:
+            for row, seq in enumerate(list(sampled_seqs)):
+                while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
+                    sampled_seqs.append(self.fork(seq))
+                    rows.append(row)
+            if len(rows) > logits.shape[0]:  # forks sample from their parent's row
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            tokens = sample(logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
+                            self.generator)
+        except BaseException:  # no token sampled: each sequence computes its last token again next step
+            for seq in sampled_seqs:
+                seq.num_computed_tokens -= 1
+            raise
         now = self.clock()
         finished = []
         for seq, token in zip(sampled_seqs, tokens):
@@ -149,7 +178,15 @@ class LLMEngine:
 
     def execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
         """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
-        logits [len(sequences), vocab]; the caller samples (step) or searches (beam_search)."""
+        logits [len(sequences), vocab]; the caller samples (step) or searches (beam_search). If anything fails
+        on the way, the scheduler rolls the step back before the error goes on."""
+        try:
+            return self._execute(plan)
+        except BaseException:
+            self.scheduler.recover(plan)
+            raise
+
+    def _execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
         self.num_steps += 1
         for observe in self.forward_observers:  # the tables are as this step uses them, copies made or queued
             observe(plan)
@@ -205,7 +242,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
-        if (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
@@ -252,11 +289,23 @@ class LLMEngine:
         }
 
 
-def as_prompt_list(prompts) -> list:
-    """One prompt (a string or a list of token ids) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
+def eos_token_ids(config) -> frozenset[int]:
+    """The config's end-of-sequence token ids: one id, a list of them (Llama 3 has several), or none."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def pool_blocks(model: PagedLlama, kv_cache_memory, block_size) -> int:
+    """How many blocks kv_cache_memory bytes of K/V pool hold for this model."""
+    geometry = KVGeometry.from_config(model.config, model.dtype)
+    budget = real("kv_cache_memory", kv_cache_memory)
+    block_bytes = geometry.block_bytes(block_size)
+    if budget < block_bytes:
+        raise ValueError(f"kv_cache_memory ({budget:.0f} bytes) must hold at least one KV block of {block_bytes} "
+                         f"bytes (block_size {block_size}); raise it, or give num_blocks")
+    return geometry.pool_blocks(int(budget), block_size)
 
 
 class LLM:
@@ -277,13 +326,14 @@ class LLM:
         if preemption_mode != "recompute":
             raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet; use 'recompute'")
         torch.manual_seed(seed)
-        if isinstance(model, str):
-            if model != "smollm2":
-                raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers model, got {model!r}")
+        if isinstance(model, str) and model == "smollm2":
             from .models import load_hf_model
             hf_model, tokenizer = load_hf_model(dtype=dtype, device=device)
-        else:
+        elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
             hf_model = model.to(device=device, dtype=dtype).eval()
+        else:
+            raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
+                             f"got {model!r}")
         backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.engine = LLMEngine(PagedLlama(hf_model, backend), tokenizer, block_size=block_size,
                                 num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -301,30 +351,27 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
         engine = self.engine
+        engine.require_idle("generate")
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]  # validate all first
-        for request in requests:
-            engine.add_request(request)
-        ours = {request.request_id for request in requests}
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
-                while len(done) < len(requests):
+                for request in requests:
+                    engine.add_request(request)
+                while engine.has_unfinished_requests():
                     for output in engine.step():
-                        if output.request_id in ours:
-                            done[output.request_id] = output
-                            bar.update()
+                        done[output.request_id] = output
+                        bar.update()
             except BaseException:  # an interrupt or an error must not leave half a batch in the pool
                 for request in requests:
-                    if request.request_id not in done and request.request_id in engine.requests:
-                        engine.abort_request(request.request_id)
+                    engine.abort_request(request.request_id)
                 raise
         return [done[request.request_id] for request in requests]
 
     def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 32, length_penalty: float = 1.0):
         """Beam search whose beams share blocks; returns one BeamSearchOutput per prompt, best beam first."""
         from .beam_search import beam_search
-        prompts = as_prompt_list(prompts)
-        return beam_search(self.engine, prompts, beam_width, max_tokens, length_penalty)
+        return beam_search(self.engine, as_prompt_list(prompts), beam_width, max_tokens, length_penalty)
 
     def kv_stats(self) -> dict:
         return self.engine.kv_stats()

@@ -279,8 +279,7 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
     """
     if clock not in ("simulated", "real"):
         raise ValueError(f"clock must be 'simulated' or 'real', got {clock!r}")
-    if engine.has_unfinished_requests():
-        raise ValueError("replay needs an idle engine: finish or abort its requests first")
+    engine.require_idle("replay")
     if static_batch_size is not None and static_batch_size < 1:
         raise ValueError(f"static_batch_size must be >= 1 (or None), got {static_batch_size}")
     if prompts is not None and len(prompts) != len(trace):
@@ -325,6 +324,10 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
                 if clock == "simulated":
                     output.metrics.finished_time = end
                 outputs[output.request_id] = output
+    except BaseException:  # an interrupt or an error must not leave the trace's requests in the pool
+        for request_id in live:
+            engine.abort_request(request_id)
+        raise
     finally:
         engine.clock = saved_clock
     ids = [str(r.request_id) for r in trace]

@@ -8,11 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .inputs import integer, real, token_id_list
+
+GREEDY_TEMPERATURE = 1e-5   # below it, sampling is greedy
+MAX_SEED = 2**63 - 1        # a generator's seed; completion i of a request draws from seed + i
+
 
 @dataclass
 class SamplingParams:
     n: int = 1                        # completions per prompt
-    temperature: float = 1.0          # 0 means greedy
+    temperature: float = 1.0          # 0 (or below 1e-5) means greedy
     top_p: float = 1.0                # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1                   # keep the k most likely tokens; -1 keeps all
     max_tokens: int = 16              # new tokens at most
@@ -21,21 +26,31 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
+        self.n = integer("n", self.n, low=1)
+        self.max_tokens = integer("max_tokens", self.max_tokens, low=1)
+        self.temperature = real("temperature", self.temperature)
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        self.top_p = real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (all tokens) or an integer >= 1, got {self.top_k!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.top_k = integer("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (all tokens) or an integer >= 1, got 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            self.seed = integer("seed", self.seed, low=0, high=MAX_SEED)
+        self.stop_token_ids = token_id_list(
+            "stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
+        if self.greedy and self.n > 1:
+            raise ValueError(f"n must be 1 with greedy sampling (temperature < {GREEDY_TEMPERATURE}): its {self.n} "
+                             f"completions would all be the same; got n={self.n}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this close to 0 are greedy, as in vLLM: dividing logits by them overflows."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

@@ -4,9 +4,11 @@ Every step it fills a token budget (`max_num_batched_tokens`):
   1. running sequences first: decodes (one token each), then the next chunks of prompts being prefilled;
      if the pool has no block for one of them, the most recently admitted running sequence not yet scheduled
      is preempted (its blocks freed, to be recomputed later) until there is room;
-  2. then waiting sequences in arrival order, admitted while the block manager answers OK and fewer than
-     `max_num_seqs` run; a prompt whose leading blocks are in the prefix cache starts past them. With chunked
-     prefill a prompt may take only part of the remaining budget.
+  2. then waiting sequences in arrival order, admitted while the block manager answers OK and their seats fit
+     `max_num_seqs` (a request with n completions takes n seats: its forks run as soon as its prompt is done);
+     a prompt whose leading blocks are in the prefix cache starts past them. With chunked prefill a prompt may
+     take only part of the remaining budget; a preempted sequence is recomputed in chunks in any case, since its
+     prompt and output together may exceed the budget.
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 """
 
@@ -14,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import AllocStatus, BlockManager
+from .inputs import integer
 from .sequence import Sequence, SequenceStatus
 
 
@@ -22,6 +25,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
+    cached_blocks: list = field(default_factory=list)  # blocks this step enters in the prefix cache
 
     @property
     def num_batched_tokens(self) -> int:
@@ -31,8 +35,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = False):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        max_num_seqs = integer("max_num_seqs", max_num_seqs, low=1)
+        max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens, low=1)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}), or some running sequences could never be scheduled")
@@ -71,13 +75,16 @@ class Scheduler:
             self._schedule(seq, num_new, out)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs and budget > 0:
+        seats = sum(seq.num_seats for seq in self.running)
+        while self.waiting and not out.preempted and budget > 0:
             seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
+            if seats + seq.num_seats > self.max_num_seqs:
+                break
             hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
             num_cached = len(hits) * self.block_manager.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
-                if not self.enable_chunked_prefill:
+                if not (self.enable_chunked_prefill or seq.num_preemptions > 0):
                     break
                 num_new = budget
             if self.block_manager.can_allocate(num_cached + num_new, seq.seq_id, hits) is not AllocStatus.OK:
@@ -89,6 +96,7 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, out)
             budget -= num_new
+            seats += seq.num_seats
             self.prefix_hit_tokens += num_cached
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
@@ -99,8 +107,9 @@ class Scheduler:
         every layer writes the step's K/V before any attention reads them, so a request admitted later in the
         same step can already share them."""
         out.scheduled.append((seq, num_new))
-        self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + num_new,
-                                             seq.request.cache_key)
+        out.cached_blocks += self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids,
+                                                                  seq.num_computed_tokens + num_new,
+                                                                  seq.request.cache_key)
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
                    preempted: list[Sequence]) -> bool:
@@ -124,6 +133,16 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def recover(self, out: SchedulerOutput) -> None:
+        """Undo a step that was scheduled but did not run to the end (an interrupt, an error in the forward pass):
+        its blocks may hold K/V half written or not at all, so they leave the prefix cache, and its sequences go
+        back to the head of the queue to be recomputed, as after a preemption."""
+        self.block_manager.uncache(out.cached_blocks)
+        for seq, _ in reversed(out.scheduled):
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._preempt(seq)
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Free the blocks of sequences that just finished and drop them from the running list."""

@@ -49,6 +49,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def num_seats(self) -> int:
+        """Running sequences this one will count for: itself and the completions still to fork from it."""
+        return 1 + self.params.n - len(self.request.seqs)
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"{self.status.value})")

@@ -95,7 +95,8 @@ def test_random_operations_keep_the_books(tiny_model, ops):
     for op, value in ops:
         if op == "add":
             tail = random_prompts(1, seed=value, low=1, high=10)[0]
-            params = SamplingParams(n=1 + value % 3, temperature=0.0 if value % 2 else 1.0, max_tokens=1 + value % 7,
+            n = 1 + value % 3
+            params = SamplingParams(n=n, temperature=0.0 if n == 1 and value % 2 else 1.0, max_tokens=1 + value % 7,
                                     ignore_eos=True, seed=value)
             engine.add_request(engine.make_request(prefix + tail if value % 4 else tail, params))
         elif op == "abort" and engine.requests:
