@@ -48,7 +48,7 @@ def broken(page: Path, parsed: Page) -> list[str]:
             target = page if not parts.path else page.parent / unquote(parts.path)
             if not target.exists():
                 problems.append(f"{url}: no such file")
-            elif parts.fragment and target == page and unquote(parts.fragment) not in parsed.ids:
+            elif parts.fragment and target == page and not {parts.fragment, unquote(parts.fragment)} & parsed.ids:
                 problems.append(f"{url}: no such anchor")
     return problems
 
@@ -85,7 +85,10 @@ def test_the_checks_see_an_error_and_a_broken_link(tmp_path):
         nbformat.v4.new_code_cell("1 / 0", outputs=[nbformat.v4.new_output(
             "error", ename="ZeroDivisionError", evalue="division by zero", traceback=["ZeroDivisionError"])])])
     nbformat.write(notebook, chapters / "01_broken.ipynb")
-    (page,) = build(tmp_path / "out", chapters=chapters)
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Contents")]),
+                   chapters / "00_index.ipynb")
+    index, page = build(tmp_path / "out", chapters=chapters)
+    assert broken(index, Page(index)) == []
     parsed = Page(page)
     assert parsed.error_outputs == 1
     assert broken(page, parsed) == ["02_missing.html: no such file"]
