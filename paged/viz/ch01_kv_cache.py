@@ -46,7 +46,7 @@ def plot_decode_intensity(geometry: KVGeometry, num_params: float, batch_sizes=(
     ax.axhline(geometry.attention_flops_per_byte, color="grey", linestyle=":",
                label=f"attention alone {geometry.attention_flops_per_byte:.0f} FLOP/B")
     ax.set(xscale="log", yscale="log", xlabel="batch size (sequences per decode step)", ylabel="FLOP per byte read",
-           title="A decode step stays under the ridge: memory-bound")
+           title="A decode step levels off under the ridge, but for short contexts")
     ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.minorticks_off()
     ax.legend(fontsize=8)
