@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lab bench clean
+.PHONY: setup demo test test-browser book reset-chapters lab bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Chromium (Debian's /usr/bin/chromium) runs a chapter in JupyterLab and opens the static edition
+test-browser: $(STAMP)
+	$(BIN)/python -m pytest -m browser tests/test_browser.py
+
+# the static edition in build/book (needs npm, to fetch the scripts the pages load)
+book: $(STAMP)
+	$(BIN)/python -m book.build --out build/book
+
+# every chapter back to its committed, executed state (your edits to the notebooks are lost)
+reset-chapters:
+	git checkout -- 'chapters/*.ipynb'
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/

@@ -12,7 +12,9 @@ Slabs live in a first-fit arena, one contiguous address space of token slots, so
 real: a request that fits in the total free space but in no single hole has to wait. Against them, paged
 allocation hands out fixed-size blocks from a pool, one more whenever a request's last block fills; its only
 waste is the unfilled tail of each request's last block (< block_size slots). When the pool runs dry it
-preempts the most recently admitted request (recompute: its blocks go back, it re-queues at the front).
+preempts the most recently admitted request (recompute: its blocks go back, it re-queues at the front). The
+simulation re-admits it like any request, at no extra step; `recomputed_tokens` counts what a real engine would
+prefill again (the victim's prompt and output so far), so that a comparison of steps can show that cost beside it.
 
 Time runs in decode steps. A request admitted at a step is prefilled and yields its first token, so it holds
 input_len + 1 tokens after that step and input_len + output_len when it finishes and frees its memory.
@@ -271,6 +273,7 @@ class SimulationResult:
     max_slack: np.ndarray        # int [num_records] the largest allocated - length of any running request
     layouts: dict                # step -> int8 [capacity] slot states
     preemptions: int
+    recomputed_tokens: int       # tokens the preempted requests held, which a recompute prefills again
     finished: int
     final_free_slots: int
 
@@ -293,7 +296,8 @@ class SimulationResult:
                 **{f"{name}_fraction": float(f) for name, f in zip(STATE_NAMES, fractions)},
                 "max_concurrency": int(self.running.max()), "mean_concurrency": float(self.running[mask].mean()),
                 "num_steps": int(self.steps[-1]) + 1, "loaded_steps": int(self.loaded.sum()),
-                "stranded_steps": int((self.counts[:, EXTERNAL] > 0).sum()), "preemptions": self.preemptions}
+                "stranded_steps": int((self.counts[:, EXTERNAL] > 0).sum()), "preemptions": self.preemptions,
+                "recomputed_tokens": self.recomputed_tokens}
 
 
 def make_allocator(scheme, capacity: int, max_model_len: int):
@@ -336,7 +340,7 @@ def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2
     pending = deque(sorted(trace, key=lambda r: r.arrival_time))
     waiting: deque[Sequence] = deque()
     running: list[Sequence] = []                       # in admission order: the last is preempted first
-    rows, layouts, preemptions, finished, step = [], {}, 0, 0, 0
+    rows, layouts, preemptions, recomputed, finished, step = [], {}, 0, 0, 0, 0
     while pending or waiting or running:
         if not waiting and not running:                # idle: jump to the next arrival
             step = max(step, int(np.ceil(pending[0].arrival_time / step_time)))
@@ -354,6 +358,7 @@ def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2
                 allocator.release(victim)
                 waiting.appendleft(victim)
                 preemptions += 1
+                recomputed += victim.length
         need = allocator.admission_slots(waiting[0]) if waiting else 0
         stranded = bool(waiting) and allocator.free_slots >= need and not allocator.can_place(need)
         counts = breakdown(allocator, running, stranded)
@@ -371,7 +376,7 @@ def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2
     table = np.array(rows, dtype=np.int64).reshape(-1, 9)                   # [num_records, 9]
     return SimulationResult(scheme=allocator.name, capacity=capacity, steps=table[:, 0], counts=table[:, 1:6],
                             running=table[:, 6], waiting=table[:, 7], max_slack=table[:, 8], layouts=layouts,
-                            preemptions=preemptions, finished=finished, final_free_slots=allocator.free_slots)
+                            preemptions=preemptions, recomputed_tokens=recomputed, finished=finished, final_free_slots=allocator.free_slots)
 
 
 def compare(trace: list[Request], capacity: int, block_sizes=(8, 16, 32, 64, 128), max_model_len: int = 2048,
@@ -381,11 +386,14 @@ def compare(trace: list[Request], capacity: int, block_sizes=(8, 16, 32, 64, 128
             for scheme in (*NAIVE_POLICIES, *block_sizes)]
 
 
-FOUR_REQUESTS = [   # (input_len, output_len, generated so far): 2,880 tokens live, each reserving 2,048 slots
-    (1000, 400, 200),    # 1,200 live, ends at 1,400
-    (500, 500, 300),     #   800 live, ends at 1,000
-    (100, 800, 500),     #   600 live, ends at   900
-    (200, 300, 80),      #   280 live, ends at   500
+# (input_len, output_len, generated so far): the guide's four lengths, 120, 1,900, 60 and 800 tokens live (2,880),
+# each reserving 2,048 slots. The guide gives only those lengths; where each request ends (ours) splits the empty
+# slots into reserved and never written, not their sum.
+FOUR_REQUESTS = [
+    (100, 220, 20),      #   120 live, ends at   320
+    (900, 1100, 1000),   # 1,900 live, ends at 2,000
+    (40, 320, 20),       #    60 live, ends at   360
+    (300, 820, 500),     #   800 live, ends at 1,120
 ]
 
 

@@ -1,6 +1,8 @@
-"""Small helpers the tests share: a tiny random Llama, random prompts, the empty-pool check."""
+"""Small helpers the tests share: a tiny random Llama, random prompts, the empty-pool check, a player's frames."""
 
 import torch
+from ipywidgets.widgets.widget import _instances as live_widgets
+from ipywidgets.widgets.widget_link import Link
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from paged import LLM
@@ -44,3 +46,15 @@ def run_engine(engine, prompts, params) -> list[list[int]]:
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
     return [outputs[i] for i in ids]
+
+
+def player_frames(player) -> list[str]:
+    """The HTML of every frame of a paged.viz player, in order, after checking that its Play button and slider span
+    the frames and that the browser links them to the frame on show (jslink: no kernel needed to move them)."""
+    (play, slider), view = player.children[0].children, player.children[1]
+    frames = [child.value for child in view.children]
+    assert (play.max, slider.max) == (len(frames) - 1, len(frames) - 1)
+    assert slider.value == play.value == view.selected_index
+    links = {(link.source, link.target) for link in live_widgets.values() if isinstance(link, Link)}
+    assert ((play, "value"), (slider, "value")) in links and ((slider, "value"), (view, "selected_index")) in links
+    return frames

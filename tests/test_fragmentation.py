@@ -116,7 +116,16 @@ def test_every_request_finishes_and_everything_is_freed(lengths, scheme, capacit
         assert (result.max_slack < scheme).all()             # paged waste per request < block_size
         assert result.counts[:, EXTERNAL].sum() == 0
     else:
-        assert result.preemptions == 0                        # a slab never grows, so nothing is preempted
+        assert result.preemptions == result.recomputed_tokens == 0   # a slab never grows: nothing is preempted
+    assert result.recomputed_tokens >= result.preemptions            # a victim holds at least one token
+
+
+def test_a_preemption_counts_the_tokens_a_recompute_prefills_again():
+    # Two 3-token prompts in two 4-slot blocks: each writes its 4th token, then both need a second block. The
+    # older gets it; the newer is preempted holding 4 tokens, which a recompute would prefill again.
+    result = simulate([Request(0, 3, 4, 0.0), Request(1, 3, 4, 0.0)], 4, 8)
+    assert (result.preemptions, result.recomputed_tokens) == (1, 4)
+    assert result.summary()["recomputed_tokens"] == 4
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""Memory saved by sharing blocks (paged/sharing.py) and the chapter-06 drawings (paged/viz.py, "Copy-on-write")."""
+"""Memory saved by sharing blocks (paged/sharing.py) and the chapter-06 drawings (paged/viz/ch06_copy_on_write.py)."""
 
 import matplotlib.pyplot as plt
 import pytest

@@ -1,5 +1,8 @@
 """The chapters' pictures, checked without a browser: the pure functions behind them, and that the wrappers build."""
 
+import ast
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,6 +10,7 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 
+import paged
 from paged.fragmentation import EXTERNAL, FREE, INTERNAL, LIVE, RESERVED, compare, simulate
 from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
 from paged.traces import sharegpt_trace
@@ -56,3 +60,15 @@ def test_chapter_02_tables_and_plots():
     plot_block_size_sweep({"sharegpt": summaries})
     assert html_table([{"a": 0.5}], formats={"a": ".0%"}) == \
         "<table><thead><tr><th>a</th></tr></thead><tbody><tr><td style='text-align:left'>50%</td></tr></tbody></table>"
+
+
+def test_nothing_in_paged_imports_the_pictures():
+    """paged.viz sits on top of the engine: no other module of the package may import it."""
+    package = Path(paged.__file__).parent
+    for path in package.rglob("*.py"):
+        if package / "viz" in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name == "paged.viz" or name.startswith("paged.viz.") for name in names), path

@@ -1,5 +1,5 @@
-"""The chapter-07/08 drawings (paged/viz.py, "continuous batching, chunked prefill, goodput"): the scheduler timeline
-from step records, its HTML and player, and the latency plots, checked without a browser."""
+"""The chapter-07/08 drawings (paged/viz/ch07_continuous_batching.py, ch08_chunked_prefill_goodput.py): the scheduler
+timeline from step records, its HTML and player, and the latency plots, checked without a browser."""
 
 import re
 
@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 import torch
-from helpers import make_tiny_llm
+from helpers import make_tiny_llm, player_frames
 
 from paged.metrics import SLO, ReplayResult, RequestRecord, StepRecord, replay
 from paged.traces import Request
@@ -32,8 +32,10 @@ def hand_made() -> ReplayResult:
 
 
 def cell_classes(page: str) -> list[list[str]]:
+    """Each row's state per step: a cell spanning n steps counts n times."""
     rows = re.findall(r'<tr><td class="label">[^<]*</td>(.*?)</tr>', page)
-    return [re.findall(r'<td class="s-(\w+)', row) for row in rows]
+    cells = [re.findall(r'<td(?: colspan=(\d+))? class="s-(\w+)', row) for row in rows]
+    return [[state for span, state in row for _ in range(int(span or 1))] for row in cells]
 
 
 def test_timeline_states_follow_the_steps():
@@ -56,12 +58,12 @@ def test_timeline_html_draws_a_window_and_outlines_the_current_step():
         "step 0: clock 0.000 to 1.000, 4 tokens = 0 decodes + prefill chunks [req 0: 4]"
 
 
-def test_timeline_player_redraws_on_the_slider():
-    player = timeline_player(hand_made(), window=10)
-    (play, slider), view = player.children[0].children, player.children[1]
-    assert slider.value == play.max == 4 and "step 4:" in view.value
-    slider.value = 1
-    assert "step 1:" in view.value and cell_classes(view.value)[0] == ["prefill", "decode"]
+def test_timeline_player_holds_a_frame_per_step_and_starts_at_the_last():
+    result = hand_made()
+    player = timeline_player(result, window=10)
+    assert player_frames(player) == [timeline_html(result, step, 10) for step in range(5)]
+    assert player.children[1].selected_index == 4
+    assert cell_classes(player_frames(player)[1])[0] == ["prefill", "decode"]
 
 
 def test_timeline_of_a_real_replay_with_preemption(tiny_model):

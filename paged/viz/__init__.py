@@ -1,0 +1,35 @@
+"""Widgets and plots for the chapters: one module per chapter, what several chapters share in `common`.
+
+Each picture is built in two layers: a pure function that returns data or an HTML string (tested without a
+browser), and a thin matplotlib or ipywidgets wrapper that shows it. This is the only part of `paged` that imports
+matplotlib or ipywidgets; nothing else in the package imports it. A chapter's module may draw on an earlier
+chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
+
+    common                         HTML tables, the palette, the frame player
+    ch01_kv_cache                  §1-§2   KV bytes per request, decode intensity
+    ch02_fragmentation             §1, §3, §8   memory maps, utilisation, breakdowns, block-size sweep
+    ch03_block_tables              §5-§6   pool snapshots, replays, block tables over the physical pool
+    ch05_prefix_caching            §9      hash chains, cached pools, eviction order, TTFT
+    ch06_copy_on_write             §10     forks, beam search frames, sharing savings
+    ch07_continuous_batching       §11     the timeline of a replay
+    ch08_chunked_prefill_goodput   §12-§13 token gaps, latency distributions, goodput
+"""
+
+from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
+                                     request_bytes_series)
+from paged.viz.ch02_fragmentation import (STATE_COLORS, SUMMARY_FORMATS, cell_fractions, memory_map_html,
+                                          memory_map_widget, plot_block_size_sweep, plot_breakdown,
+                                          plot_length_histograms, plot_utilisation_over_time, state_legend_html,
+                                          step_caption, summary_table_html, utilisation_series)
+from paged.viz.ch03_block_tables import (FREE_COLOUR, PoolSnapshot, block_cell, block_tables_html, decode_script,
+                                         engine_snapshot, physical_pool_html, pool_player, replay, seq_colour,
+                                         snapshot, snapshot_html)
+from paged.viz.ch05_prefix_caching import (CACHED_OUTLINE, IDLE_CACHED_COLOUR, CacheSnapshot, cache_player,
+                                           cache_pool_html, cache_snapshot, cache_snapshot_html, engine_cache_snapshot,
+                                           hash_chain_html, hash_names, plot_ttft, prefix_replay, scheduled_prefills)
+from paged.viz.ch06_copy_on_write import (beam_search_frames, fork_caption, plot_savings, plot_usage_over_time,
+                                          savings_table_html, sequences_snapshot)
+from paged.viz.ch07_continuous_batching import (TIMELINE_STATES, schedule_caption, timeline_html, timeline_player,
+                                                timeline_states)
+from paged.viz.ch08_chunked_prefill_goodput import empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps
+from paged.viz.common import PALETTE, html_table, player
