@@ -151,7 +151,7 @@ def _release(engine, seqs: list[Sequence]) -> None:
 
 def _record_usage(engine, beams, history) -> None:
     """Blocks held at the forward pass, when every copy-on-write copy of this step has been made."""
-    if not beams:
-        return
+    if not beams or beams[0][0].is_waiting:
+        return  # finished, or its prompt waits for room in the token budget
     held = BlockSteps.of(engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams)
     history.append((held.physical, held.logical))

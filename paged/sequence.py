@@ -50,6 +50,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_waiting(self) -> bool:
+        return self.status is SequenceStatus.WAITING
+
+    @property
     def num_seats(self) -> int:
         """Running sequences this one will count for: itself and the completions still to fork from it."""
         return 1 + self.params.n - len(self.request.seqs)

@@ -212,6 +212,18 @@ def test_an_interrupted_beam_search_gives_every_block_back(tiny_model, prompts, 
                                                                    for o in reference]
 
 
+@pytest.mark.parametrize("chunked, budget", [(False, 24), (True, 16)])
+def test_beam_search_waits_for_budget_to_admit_every_prompt(tiny_model, chunked, budget):
+    """The token budget admits one prompt at a time: the others' beams wait, holding no block yet."""
+    batch = random_prompts(3, seed=14, low=12, high=21)
+    roomy = make_tiny_llm(tiny_model, num_blocks=128).beam_search(batch, beam_width=2, max_tokens=3)
+    llm = make_tiny_llm(tiny_model, num_blocks=16, max_num_seqs=4, enable_chunked_prefill=chunked,
+                        max_num_batched_tokens=budget)
+    outs = llm.beam_search(batch, beam_width=2, max_tokens=3)
+    assert [[b.token_ids for b in o.sequences] for o in outs] == [[b.token_ids for b in o.sequences] for o in roomy]
+    assert_pool_empty(llm)
+
+
 def test_beam_search_of_no_prompts_is_empty(tiny_model):
     assert make_tiny_llm(tiny_model).beam_search([], beam_width=2) == []
 
