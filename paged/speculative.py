@@ -170,7 +170,7 @@ class DraftModelProposer:
                 if params.greedy:
                     token = int(logits[row].argmax())
                 else:
-                    q = target_probs(logits[row:row + 1], params)[0]                           # [vocab]
+                    q = filtered_probs(logits[row:row + 1], params)[0]                           # [vocab]
                     token = int(torch.multinomial(q, 1, generator=seq.generator or default_generator))
                     probs[seq.seq_id].append(q)
                 drafts[seq.seq_id].append(token)
@@ -187,7 +187,7 @@ class DraftModelProposer:
             self.num_computed.pop(seq_id, None)
 
 
-def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """logits [rows, vocab] of one sequence -> its filtered probabilities [rows, vocab] (temperature, top-k, top-p)."""
     rows, vocab = logits.shape
     full = lambda value: torch.full((rows,), value, device=logits.device)
@@ -210,6 +210,7 @@ class Speculator:
     def propose(self, running, max_model_len: int, default_generator) -> None:
         seqs, lengths = [], []
         for seq in running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None  # drafts of a step that did not run are stale
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # still prefilling
             room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
@@ -231,7 +232,7 @@ class Speculator:
         if seq.params.greedy:
             return greedy_accept(logits.argmax(dim=-1).tolist(), drafts)
         draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[:len(drafts)]
-        return rejection_sample(target_probs(logits, seq.params), drafts, draft_probs,
+        return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs,
                                 seq.generator or default_generator)
 
     def record(self, seq, tokens: list[int]) -> None:
