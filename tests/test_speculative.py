@@ -196,3 +196,26 @@ def test_an_interrupted_verify_is_rolled_back(tiny_model, prompts, expected):
     assert [outputs[i] for i in ids] == expected
     assert_pool_empty(llm)
     assert_draft_pool_empty(llm)
+
+
+def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model, prompts):
+    """n > 1 forks share the prompt's blocks (copy-on-write) while each completion speculates on its own; beam
+    search does not speculate and gives the same beams as an engine without speculation."""
+    config = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3, "draft_layers": 1}
+    llm = make_tiny_llm(tiny_model, num_blocks=128, speculative_config=config)
+    params = SamplingParams(n=3, temperature=1.0, top_k=20, max_tokens=16, seed=5, ignore_eos=True)
+    shared = []
+    llm.engine.forward_observers.append(lambda plan: shared.append(max(llm.engine.block_manager.ref_count(b)
+                                        for t in llm.engine.block_manager.block_tables.values() for b in t)))
+    outs = llm.generate(prompts[:4], params, use_tqdm=False)
+    llm.engine.forward_observers.clear()
+    assert max(shared) == 3  # a prompt block held by all three completions
+    assert all(len(o.outputs) == 3 and all(len(c.token_ids) == 16 for c in o.outputs) for o in outs)
+    assert llm.spec_stats()["num_drafts"] > 0
+    assert_pool_empty(llm)
+    assert_draft_pool_empty(llm)
+    plain = make_tiny_llm(tiny_model, num_blocks=128)
+    beams = llm.beam_search(prompts[:2], beam_width=3, max_tokens=8)
+    expected = plain.beam_search(prompts[:2], beam_width=3, max_tokens=8)
+    assert [[s.token_ids for s in b.sequences] for b in beams] == [[s.token_ids for s in b.sequences] for b in expected]
+    assert_pool_empty(llm)
