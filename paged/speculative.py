@@ -112,6 +112,9 @@ def resolve_draft(config: SpeculativeConfig, target: PagedLlama, target_hf, back
     if draft.embed_tokens.shape[0] != target.embed_tokens.shape[0]:
         raise ValueError(f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
                          f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer")
+    if draft.max_position < target.max_position:
+        raise ValueError(f"speculative_config['model'] holds {draft.max_position} positions, fewer than the "
+                         f"target's max_model_len ({target.max_position})")
     if config.draft_layers is not None:
         if config.draft_layers > len(draft.layers):
             raise ValueError(f"speculative_config['draft_layers'] ({config.draft_layers}) must be <= the draft's "
@@ -199,6 +202,9 @@ class Speculator:
     """The engine's hooks: propose before scheduling, verify after the forward pass, and the counts."""
 
     def __init__(self, config: SpeculativeConfig, draft: PagedLlama | None, num_blocks: int, block_size: int):
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative_config['method'] {config.method!r} needs a draft model exactly when it "
+                             f"is 'draft_model' (resolve_draft makes it)")
         self.config = config
         self.k = config.num_speculative_tokens
         self.drafter = DraftModelProposer(draft, num_blocks, block_size) if draft is not None else None

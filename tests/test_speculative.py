@@ -157,14 +157,18 @@ def test_bad_speculative_configs_are_named(tiny_model, config, key):
         make_tiny_llm(tiny_model, speculative_config=config)
 
 
-def test_drafts_of_another_vocabulary_or_depth_are_refused_and_the_engine_works_after(tiny_model, prompts, expected):
+def test_drafts_of_another_vocabulary_length_or_depth_are_refused_and_the_engine_works_after(tiny_model, prompts, expected):
     llm = make_tiny_llm(tiny_model, num_blocks=256)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
-    for config in [{"method": "draft_model", "model": other, "num_speculative_tokens": 2},
-                   {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 2, "draft_layers": 3}]:
-        with pytest.raises(ValueError, match="vocabulary|draft_layers"):
-            make_tiny_llm(tiny_model, speculative_config=config)
+    short = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                         max_position_embeddings=64)).eval()
+    for config, message in [({"model": other}, "vocabulary"), ({"model": short}, "positions"),
+                            ({"model": tiny_model, "draft_layers": 3}, "draft_layers")]:
+        with pytest.raises(ValueError, match=message):
+            make_tiny_llm(tiny_model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                          **config})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     good = make_tiny_llm(tiny_model, num_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in good.generate(prompts, GREEDY, use_tqdm=False)] == expected
