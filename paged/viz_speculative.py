@@ -74,7 +74,8 @@ def verify_steps_html(records: list[dict], decode=str, limit: int = 12) -> str:
 
 
 def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
-    """speedup = E(a, k) / (1 + k c) against the acceptance rate a; points: (a, speedup, label) measured."""
+    """speedup = E(a, k) / (1 + k c) against the acceptance rate a, one panel per draft cost c; points:
+    (a, speedup, label) measured for a proposer that costs nothing (prompt lookup), drawn on the first panel."""
     fig, axes = plt.subplots(1, len(costs), figsize=(4 * len(costs), 3.4), sharey=True)
     grid = [i / 100 for i in range(100)]
     for ax, c in zip(axes, costs):
@@ -84,8 +85,8 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
         ax.set_title(f"draft cost c = {c}")
         ax.set_xlabel("acceptance rate a")
     for a, speedup, label in points:
-        axes[-1].plot([a], [speedup], "ko")
-        axes[-1].annotate(label, (a, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        axes[0].plot([a], [speedup], "ko")
+        axes[0].annotate(label, (a, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes[0].set_ylabel("tokens per target pass / cost")
     axes[0].legend()
     fig.tight_layout()

@@ -40,6 +40,7 @@ def test_recorded_verifies_match_the_engine_and_render(tiny_model):
 
 def test_plots_draw_their_curves_and_points():
     fig = plot_speedup_curves(ks=(1, 3), costs=(0.0, 0.5), points=[(0.8, 1.7, "ngram")])
-    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 3  # two curves and the break-even line
+    assert len(fig.axes) == 2 and len(fig.axes[1].lines) == 3  # two curves and the break-even line
+    assert len(fig.axes[0].lines) == 4                          # and the measured point, on the c = 0 panel
     fig = plot_token_histograms({1: 5, 2: 3}, {1: 4, 3: 1}, "t")
     assert len(fig.axes[0].patches) == 6  # three tokens, two bars each
