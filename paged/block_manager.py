@@ -242,6 +242,21 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Shrink seq_id's table to the blocks that hold its first num_tokens tokens (speculative decoding, guide
+        §14: blocks that hold only rejected draft tokens go back to the pool at once). Returns the dropped block
+        ids, last first. Blocks already registered in the prefix cache are never dropped: they hold accepted tokens."""
+        table = self.block_tables[seq_id]
+        keep = max(cdiv(num_tokens, self.block_size), len(self.block_hashes.get(seq_id, ())))
+        dropped = table[keep:][::-1]
+        del table[keep:]
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+        return dropped
+
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slots of tokens start..end-1 of seq_id."""
         table, size = self.block_tables[seq_id], self.block_size

@@ -14,14 +14,16 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .batching import prepare_inputs
 from .block_manager import BlockManager, cdiv
 from .geometry import KVGeometry
 from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
-from .model import AttentionMetadata, PagedLlama
+from .model import PagedLlama
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from .speculative import SpeculativeConfig, Speculator, resolve_draft
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
 
@@ -30,7 +32,8 @@ class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
-                 enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter):
+                 enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter,
+                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None):
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
@@ -50,6 +53,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_schedule = None
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
+        self.speculator = None if speculative_config is None else \
+            Speculator(speculative_config, draft_model, num_blocks, block_size)  # guide §14
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -128,6 +133,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
+        self._release_drafts()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -142,7 +148,10 @@ class LLMEngine:
     # ---- one iteration ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass over every scheduled token, sample; returns the requests that finished."""
+        """Schedule, run one forward pass over every scheduled token, sample; returns the requests that finished.
+        With speculation on, decoding sequences first propose draft tokens, which the forward pass verifies."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len, self.generator)
         plan = self.last_schedule = self.scheduler.schedule()  # kept for timelines and widgets
         if not plan.scheduled:
             if self.scheduler.has_unfinished():
@@ -150,36 +159,82 @@ class LLMEngine:
                                    "validated to fit the pool)")
             return []
         sampled_seqs, logits = self.execute(plan)
-        rows = list(range(len(sampled_seqs)))
+        first_rows = [0]  # a sequence's logits rows: one, or 1 + k to verify k drafts
+        for seq in sampled_seqs:
+            first_rows.append(first_rows[-1] + 1 + len(seq.spec_token_ids))
+        rows = first_rows[:-1]
         try:
-            for row, seq in enumerate(list(sampled_seqs)):
+            for row, seq in zip(list(rows), list(sampled_seqs)):
                 while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
                     sampled_seqs.append(self.fork(seq))
                     rows.append(row)
-            if len(rows) > logits.shape[0]:  # forks sample from their parent's row
-                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-            tokens = sample(logits, [seq.params for seq in sampled_seqs], [seq.generator for seq in sampled_seqs],
-                            self.generator)
-        except BaseException:  # no token sampled: each sequence computes its last token again next step
+            new_tokens = self._sample(sampled_seqs, logits, rows)
+        except BaseException:  # no token sampled: each sequence computes its last token (and drafts) again
             for seq in sampled_seqs:
-                seq.num_computed_tokens -= 1
+                seq.num_computed_tokens -= 1 + len(seq.spec_token_ids)
             raise
         now = self.clock()
         finished = []
-        for seq, token in zip(sampled_seqs, tokens):
-            seq.token_ids.append(token)
+        for seq, tokens in zip(sampled_seqs, new_tokens):
+            if seq.spec_token_ids:
+                self._accept(seq, tokens)
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
-            if self._check_stop(seq, token):
-                finished.append(seq)
+            for token in tokens:
+                seq.token_ids.append(token)
+                if self._check_stop(seq, token):
+                    finished.append(seq)
+                    break
         self.scheduler.finish(finished)
+        self._release_drafts()
         return [self._finish_request(request) for request in {seq.request.request_id: seq.request
                                                               for seq in finished}.values()
                 if request.is_finished]
 
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[list[int]]:
+        """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts
+        over its rows rows[i]..rows[i] + k. Changes no sequence, so a failure here leaves the step to redo."""
+        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+        tokens = [None] * len(seqs)
+        if plain:
+            plain_rows = [rows[i] for i in plain]
+            if plain_rows != list(range(logits.shape[0])):  # forks share their parent's row; verifies take k + 1
+                logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+            else:
+                logits_plain = logits
+            picked = sample(logits_plain, [seqs[i].params for i in plain], [seqs[i].generator for i in plain],
+                            self.generator)
+            for i, token in zip(plain, picked):
+                tokens[i] = [token]
+        for i, seq in enumerate(seqs):
+            if seq.spec_token_ids:
+                verify_rows = logits[rows[i]:rows[i] + 1 + len(seq.spec_token_ids)]   # [1 + k, vocab]
+                tokens[i] = self.speculator.verify(seq, verify_rows, self.generator)
+        return tokens
+
+    def _accept(self, seq: Sequence, tokens: list[int]) -> None:
+        """seq verified its drafts and appends tokens (the accepted drafts and one more): it rolls back over the
+        rejected drafts, whose K/V stay in the pool unread until overwritten, and blocks holding only those go."""
+        self.speculator.record(seq, tokens)
+        seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
+        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+
+    def _release_drafts(self) -> None:
+        if self.speculator is not None:
+            self.speculator.release({seq.seq_id for seq in self.scheduler.running})
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding's counts (vLLM's names); all zero when speculation is off."""
+        if self.speculator is None:
+            return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                    "num_accepted_tokens_per_pos": []}
+        return self.speculator.stats()
+
     def execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
         """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
-        logits [len(sequences), vocab]; the caller samples (step) or searches (beam_search). If anything fails
-        on the way, the scheduler rolls the step back before the error goes on."""
+        logits [rows, vocab]: one row per sequence, or 1 + k for one verifying k drafts, in order; the caller
+        samples (step) or searches (beam_search). If anything fails on the way, the scheduler rolls the step
+        back before the error goes on."""
         try:
             return self._execute(plan)
         except BaseException:
@@ -195,7 +250,16 @@ class LLMEngine:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
         # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
         batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
-        input_ids, positions, meta, sampled_seqs, logits_indices = self._prepare_inputs(batch)
+        chunks, sampled_seqs = [], []
+        for seq, num_new in batch:
+            tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            end = seq.num_computed_tokens + num_new
+            reaches_end = end == len(tokens)  # the chunk reaches the last token: sample (or verify) what follows
+            chunks.append((seq.seq_id, tokens, seq.num_computed_tokens, end,
+                           1 + len(seq.spec_token_ids) if reaches_end else 0))
+            if reaches_end:
+                sampled_seqs.append(seq)
+        input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.device)
         if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
             sources, targets = zip(*plan.blocks_to_copy)
             self.kv_cache.copy_blocks(list(sources), list(targets))
@@ -203,42 +267,6 @@ class LLMEngine:
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
         return sampled_seqs, logits
-
-    def _prepare_inputs(self, batch: list[tuple[Sequence, int]]):
-        """Flatten the batch into token ids, positions, slots and per-sequence block tables."""
-        input_ids, positions, slots, logits_indices, sampled_seqs = [], [], [], [], []
-        tables, context_lens, query_lens = [], [], []
-        for seq, num_new in batch:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.block_manager.slot_mapping(seq.seq_id, start, end)
-            tables.append(self.block_manager.block_tables[seq.seq_id])
-            context_lens.append(end)
-            query_lens.append(num_new)
-            if end == seq.num_tokens:  # the chunk reaches the sequence's last token: sample its next one
-                logits_indices.append(len(input_ids) - 1)
-                sampled_seqs.append(seq)
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        device = self.device
-
-        def table_tensor(rows):  # int32 [len(rows), longest row], padded with block 0
-            width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
-
-        int32 = dict(dtype=torch.int32, device=device)
-        prefill_query_lens = torch.tensor(query_lens[num_decodes:], **int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=table_tensor(tables[:num_decodes]),
-            decode_context_lens=torch.tensor(context_lens[:num_decodes], **int32),
-            prefill_block_tables=table_tensor(tables[num_decodes:]),
-            prefill_query_start_loc=torch.nn.functional.pad(prefill_query_lens.cumsum(0), (1, 0)).to(torch.int32),
-            prefill_context_lens=torch.tensor(context_lens[num_decodes:], **int32))
-        return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                meta, sampled_seqs, torch.tensor(logits_indices, dtype=torch.int64, device=device))
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         params = seq.params
@@ -320,7 +348,9 @@ class LLM:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, enable_prefix_caching: bool = False,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
                  preemption_mode: str = "recompute", attention_backend: str | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0):
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0,
+                 speculative_config: dict | None = None):
+        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if preemption_mode != "recompute":
@@ -335,11 +365,16 @@ class LLM:
             raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
                              f"got {model!r}")
         backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
-        self.engine = LLMEngine(PagedLlama(hf_model, backend), tokenizer, block_size=block_size,
+        target = PagedLlama(hf_model, backend)
+        draft = None
+        if spec_config is not None and spec_config.method == "draft_model":
+            draft = resolve_draft(spec_config, target, hf_model, backend, bundled_target=isinstance(model, str))
+        self.engine = LLMEngine(target, tokenizer, block_size=block_size,
                                 num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching, seed=seed)
+                                enable_prefix_caching=enable_prefix_caching, seed=seed,
+                                speculative_config=spec_config, draft_model=draft)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -375,3 +410,6 @@ class LLM:
 
     def kv_stats(self) -> dict:
         return self.engine.kv_stats()
+
+    def spec_stats(self) -> dict:
+        return self.engine.spec_stats()

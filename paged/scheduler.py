@@ -67,7 +67,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an older sequence
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:
+                self._fit_lookahead(seq, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out.preempted):
                 continue
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new,
@@ -107,9 +109,18 @@ class Scheduler:
         every layer writes the step's K/V before any attention reads them, so a request admitted later in the
         same step can already share them."""
         out.scheduled.append((seq, num_new))
-        out.cached_blocks += self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids,
-                                                                  seq.num_computed_tokens + num_new,
+        num_real = seq.num_computed_tokens + num_new - len(seq.spec_token_ids)  # draft tokens are not cached
+        out.cached_blocks += self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, num_real,
                                                                   seq.request.cache_key)
+
+    def _fit_lookahead(self, seq: Sequence, budget: int) -> None:
+        """A verify of k drafts costs 1 + k tokens of the budget and 1 + k slots (speculative decoding, guide §14):
+        keep the drafts the budget pays for, and none if the pool has no room for them; nobody is preempted
+        to make room for a guess."""
+        del seq.spec_token_ids[max(0, budget - 1):]
+        if self.block_manager.can_allocate(seq.num_tokens + len(seq.spec_token_ids), seq.seq_id,
+                                           write_from=seq.num_computed_tokens) is not AllocStatus.OK:
+            seq.spec_token_ids.clear()
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
                    preempted: list[Sequence]) -> bool:
@@ -129,6 +140,7 @@ class Scheduler:
         """Recompute-style preemption: drop the sequence's blocks; it will prefill prompt + output again."""
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -32,6 +32,8 @@ class Sequence:
         self.finish_reason: str | None = None    # "stop" (EOS or a stop token) or "length"
         self.generator = generator
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
+        self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] draft's q, when sampled
 
     @property
     def params(self) -> SamplingParams:
@@ -71,6 +73,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0       # speculative tokens proposed for this request (guide §14)
+    num_accepted_tokens: int = 0    # of those, the ones the target accepted
 
     @property
     def ttft(self) -> float | None:

@@ -80,3 +80,26 @@ def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(
     stats = llm.kv_stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("draft_model", {"draft_layers": 8}),
+                                          ("draft_model", {})])
+def test_speculative_decoding_keeps_transformers_tokens(smollm2, chat_prompts, hf_reference, method, extra):
+    """Speculation (prompt lookup, the early-exit self-draft, the target as its own draft) with prefix caching,
+    chunked prefill and preemption on: greedy tokens must still be transformers'."""
+    from paged import LLM
+    model, tokenizer = smollm2
+    config = {"method": method, "num_speculative_tokens": 3, **extra}
+    if method == "draft_model":
+        config["model"] = model
+    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8, device="cpu",
+              dtype=torch.float32, speculative_config=config)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert run_engine(llm.engine, chat_prompts, params) == hf_reference
+    stats = llm.spec_stats()
+    assert stats["num_accepted_tokens"] > 0
+    if method == "draft_model" and not extra:  # the target as its own draft: every draft is accepted
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    assert llm.kv_stats()["num_preemptions"] > 0
+    assert_pool_empty(llm)

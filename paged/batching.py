@@ -1,0 +1,49 @@
+"""One forward pass's inputs (guide §11): the chunks of a step flattened into token ids, positions and slots, and
+the block tables that attention reads.
+
+A chunk is `(seq_id, token_ids, start, end, num_logits)`: tokens start..end-1 of a sequence are computed now, and
+the logits of its last num_logits of them are wanted (1 to sample the next token, k + 1 to verify k speculative
+tokens, 0 for a prompt chunk that does not reach the end). Single-token chunks come first, as AttentionMetadata
+describes; the caller orders them so. The engine and a draft model (`speculative.py`) both build their steps here,
+each over its own block manager.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .block_manager import BlockManager
+from .model import AttentionMetadata
+
+
+def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int], int, int, int]],
+                   device: torch.device):
+    """Returns input_ids, positions int64 [num_tokens], AttentionMetadata, logits_indices int64 [num_logits]."""
+    input_ids, positions, slots, logits_indices = [], [], [], []
+    tables, context_lens, query_lens = [], [], []
+    for seq_id, token_ids, start, end, num_logits in chunks:
+        input_ids += token_ids[start:end]
+        positions += range(start, end)
+        slots += block_manager.slot_mapping(seq_id, start, end)
+        tables.append(block_manager.block_tables[seq_id])
+        context_lens.append(end)
+        query_lens.append(end - start)
+        logits_indices += range(len(input_ids) - num_logits, len(input_ids))
+    num_decodes = sum(1 for n in query_lens if n == 1)
+
+    def table_tensor(rows):  # int32 [len(rows), longest row], padded with block 0
+        width = max((len(r) for r in rows), default=0)
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+
+    int32 = dict(dtype=torch.int32, device=device)
+    prefill_query_lens = torch.tensor(query_lens[num_decodes:], **int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decode_tokens=num_decodes,
+        decode_block_tables=table_tensor(tables[:num_decodes]),
+        decode_context_lens=torch.tensor(context_lens[:num_decodes], **int32),
+        prefill_block_tables=table_tensor(tables[num_decodes:]),
+        prefill_query_start_loc=F.pad(prefill_query_lens.cumsum(0), (1, 0)).to(torch.int32),
+        prefill_context_lens=torch.tensor(context_lens[num_decodes:], **int32))
+    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta, torch.tensor(logits_indices, dtype=torch.int64, device=device))

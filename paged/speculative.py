@@ -1,0 +1,263 @@
+"""Speculative decoding on paged memory (guide §14): propose k tokens cheaply, verify them in one target pass.
+
+    LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    LLM(..., speculative_config={"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3,
+                                 "draft_layers": 8})   # draft_layers: an early-exit self-draft (see below)
+
+A step with speculation:
+  1. propose: before scheduling, every decoding sequence gets up to k draft tokens (`seq.spec_token_ids`);
+     a sequence near max_tokens or max_model_len proposes fewer, so a verify never runs past either;
+  2. schedule: a verify costs 1 + k tokens of the budget and 1 + k slots of the pool (vLLM's lookahead slots);
+     the scheduler trims the drafts when the budget is short and drops them when the pool has no room;
+  3. verify: the target runs the last real token and the drafts as one prefill-shaped chunk over the paged cache,
+     in the same forward pass as the sequences without drafts, writing every draft's K/V into the sequence's blocks;
+  4. accept (`rejection_sampler.py`): 1..k + 1 tokens are appended. The sequence rolls back over the rejected
+     drafts (`num_computed_tokens`), and blocks holding only rejected tokens go back to the pool at once
+     (`BlockManager.truncate`). The prefix cache only ever registers blocks full of accepted tokens.
+
+Proposers:
+  - ngram (prompt lookup): find the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) earlier in
+    prompt + output, the most recent occurrence, and propose the tokens that followed it. No second model.
+  - draft model: a Llama with the target's vocabulary runs k cheap steps on its own paged KV pool, with its own
+    block tables, grown for the k steps and truncated back with the target's. "smollm2" as the draft of the bundled
+    model is the target itself: every greedy draft must be accepted. `draft_layers: L` keeps only the draft's first
+    L layers, with its final norm and head: an early-exit self-draft, L / num_layers of the cost, untrained.
+"""
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batching import prepare_inputs
+from .block_manager import AllocStatus, BlockManager
+from .inputs import integer
+from .kv_cache import KVCache
+from .model import PagedLlama
+from .rejection_sampler import greedy_accept, rejection_sample
+from .sampling import filter_logits
+
+MAX_SPECULATIVE_TOKENS = 16
+METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    model: object = None          # draft_model: "smollm2", a local folder, or a transformers Llama object
+    draft_layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, config) -> "SpeculativeConfig":
+        """Check vLLM's keys by name; the draft model itself is checked by resolve_draft."""
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {type(config).__name__}")
+        method = config.get("method")
+        if method not in METHOD_KEYS:
+            raise ValueError(f"speculative_config['method'] must be one of {sorted(METHOD_KEYS)}, got {method!r}")
+        for key in config:
+            if key not in {"method", "num_speculative_tokens"} | METHOD_KEYS[method]:
+                raise ValueError(f"speculative_config has an unknown key {key!r} for method {method!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config['num_speculative_tokens'] is required")
+        k = integer("speculative_config['num_speculative_tokens']", config["num_speculative_tokens"],
+                    low=1, high=MAX_SPECULATIVE_TOKENS)
+        out = cls(method, k)
+        if method == "ngram":
+            out.prompt_lookup_max = integer("speculative_config['prompt_lookup_max']",
+                                            config.get("prompt_lookup_max", 3), low=1)
+            out.prompt_lookup_min = integer("speculative_config['prompt_lookup_min']",
+                                            config.get("prompt_lookup_min", 1), low=1)
+            if out.prompt_lookup_min > out.prompt_lookup_max:
+                raise ValueError(f"speculative_config['prompt_lookup_min'] ({out.prompt_lookup_min}) must be <= "
+                                 f"prompt_lookup_max ({out.prompt_lookup_max})")
+        else:
+            if "model" not in config:
+                raise ValueError("speculative_config['model'] is required for method 'draft_model'")
+            out.model = config["model"]
+            if config.get("draft_layers") is not None:
+                out.draft_layers = integer("speculative_config['draft_layers']", config["draft_layers"], low=1)
+        return out
+
+
+def resolve_draft(config: SpeculativeConfig, target: PagedLlama, target_hf, backend: str,
+                  bundled_target: bool) -> PagedLlama:
+    """The draft model as a PagedLlama on the target's device and dtype, sharing weights with the target where
+    it is the target (or its first layers). bundled_target: the target was loaded as "smollm2"."""
+    model = config.model
+    if isinstance(model, str) and model == "smollm2":
+        from .models import load_hf_model
+        draft_hf = target_hf if bundled_target else load_hf_model(dtype=target.dtype, device=target.device)[0]
+    elif isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+        try:
+            draft_hf = AutoModelForCausalLM.from_pretrained(model, dtype=target.dtype, local_files_only=True)
+        except OSError as error:
+            raise ValueError(f"speculative_config['model'] {model!r} is neither 'smollm2' nor a local model "
+                             f"folder: {error}") from None
+    elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
+        draft_hf = model
+    else:
+        raise ValueError(f"speculative_config['model'] must be 'smollm2', a local model folder or a transformers "
+                         f"Llama model object, got {model!r}")
+    if draft_hf is target_hf:
+        draft = copy.copy(target)
+    else:
+        draft = PagedLlama(draft_hf.to(device=target.device, dtype=target.dtype).eval(), backend)
+    if draft.embed_tokens.shape[0] != target.embed_tokens.shape[0]:
+        raise ValueError(f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
+                         f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer")
+    if draft.max_position < target.max_position:
+        raise ValueError(f"speculative_config['model'] holds {draft.max_position} positions, fewer than the "
+                         f"target's max_model_len ({target.max_position})")
+    if config.draft_layers is not None:
+        if config.draft_layers > len(draft.layers):
+            raise ValueError(f"speculative_config['draft_layers'] ({config.draft_layers}) must be <= the draft's "
+                             f"{len(draft.layers)} layers")
+        draft.layers = draft.layers[:config.draft_layers]
+    return draft
+
+
+def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the last n tokens, longest n first."""
+    tokens = np.asarray(token_ids)
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)    # [len - n, n], all but the suffix
+        matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if matches.size:
+            start = int(matches[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class DraftModelProposer:
+    """k greedy or sampled steps of a draft model over its own paged KV pool, batched over sequences."""
+
+    def __init__(self, model: PagedLlama, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
+                                dtype=model.dtype, device=model.device)
+        self.num_computed: dict[int, int] = {}  # seq_id -> leading tokens whose K/V the draft pool holds
+
+    def propose(self, seqs, lengths: list[int], default_generator) -> None:
+        """Sets seq.spec_token_ids (and spec_draft_probs for sampled rows) for each seq, up to lengths[i] tokens."""
+        active = []
+        for seq, k in zip(seqs, lengths):
+            # K/V for the real tokens and drafts 1..k-1 (draft k is proposed, never fed)
+            if self.block_manager.can_allocate(seq.num_tokens + k - 1, seq.seq_id) is AllocStatus.OK:
+                self.block_manager.allocate(seq.seq_id, seq.num_tokens + k - 1)
+                active.append((seq, k))
+        drafts = {seq.seq_id: [] for seq, _ in active}
+        probs = {seq.seq_id: [] for seq, _ in active}
+        for j in range(max((k for _, k in active), default=0)):
+            chunks, order = [], []
+            for seq, k in active:
+                if k <= j:
+                    continue
+                tokens = seq.token_ids + drafts[seq.seq_id]
+                start = min(self.num_computed.get(seq.seq_id, 0), seq.num_tokens - 1) if j == 0 else len(tokens) - 1
+                chunks.append((seq.seq_id, tokens, start, len(tokens), 1))
+                order.append(seq)
+            decodes_first = sorted(range(len(chunks)), key=lambda i: chunks[i][3] - chunks[i][2] > 1)
+            chunks, order = [chunks[i] for i in decodes_first], [order[i] for i in decodes_first]
+            input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.model.device)
+            logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)  # [seqs, vocab]
+            for row, seq in enumerate(order):
+                params = seq.params
+                if params.greedy:
+                    token = int(logits[row].argmax())
+                else:
+                    q = filtered_probs(logits[row:row + 1], params)[0]                           # [vocab]
+                    token = int(torch.multinomial(q, 1, generator=seq.generator or default_generator))
+                    probs[seq.seq_id].append(q)
+                drafts[seq.seq_id].append(token)
+        for seq, _ in active:
+            seq.spec_token_ids = drafts[seq.seq_id]
+            seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+            self.num_computed[seq.seq_id] = seq.num_tokens          # the drafts' K/V are overwritten next time
+            self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+
+    def release(self, live_seq_ids: set[int]) -> None:
+        """Free the draft tables of sequences that finished, were aborted or preempted."""
+        for seq_id in [s for s in self.block_manager.block_tables if s not in live_seq_ids]:
+            self.block_manager.free(seq_id)
+            self.num_computed.pop(seq_id, None)
+
+
+def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """logits [rows, vocab] of one sequence -> its filtered probabilities [rows, vocab] (temperature, top-k, top-p)."""
+    rows, vocab = logits.shape
+    full = lambda value: torch.full((rows,), value, device=logits.device)
+    return filter_logits(logits, full(params.temperature), full(params.top_k if params.top_k > 0 else vocab),
+                         full(params.top_p))
+
+
+class Speculator:
+    """The engine's hooks: propose before scheduling, verify after the forward pass, and the counts."""
+
+    def __init__(self, config: SpeculativeConfig, draft: PagedLlama | None, num_blocks: int, block_size: int):
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"speculative_config['method'] {config.method!r} needs a draft model exactly when it "
+                             f"is 'draft_model' (resolve_draft makes it)")
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.drafter = DraftModelProposer(draft, num_blocks, block_size) if draft is not None else None
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.k
+
+    def propose(self, running, max_model_len: int, default_generator) -> None:
+        seqs, lengths = [], []
+        for seq in running:
+            seq.spec_token_ids, seq.spec_draft_probs = [], None  # drafts of a step that did not run are stale
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # still prefilling
+            room = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens) - 1
+            if min(self.k, room) > 0:  # a verify appends up to k + 1 tokens: no more than the sequence may take
+                seqs.append(seq)
+                lengths.append(min(self.k, room))
+        if self.drafter is not None:
+            self.drafter.propose(seqs, lengths, default_generator)
+            return
+        cfg = self.config
+        for seq, k in zip(seqs, lengths):
+            seq.spec_token_ids = ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            seq.spec_draft_probs = None
+
+    def verify(self, seq, logits: torch.Tensor, default_generator) -> list[int]:
+        """logits [1 + k, vocab]: the target's rows for seq's last real token and its k drafts.
+        Returns the 1..k + 1 tokens to append."""
+        drafts = seq.spec_token_ids
+        if seq.params.greedy:
+            return greedy_accept(logits.argmax(dim=-1).tolist(), drafts)
+        draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[:len(drafts)]
+        return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs,
+                                seq.generator or default_generator)
+
+    def record(self, seq, tokens: list[int]) -> None:
+        """Count a verify of seq's drafts that appends tokens."""
+        drafts = seq.spec_token_ids
+        accepted = len(tokens) - 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+        seq.request.metrics.num_draft_tokens += len(drafts)
+        seq.request.metrics.num_accepted_tokens += accepted
+
+    def release(self, live_seq_ids: set[int]) -> None:
+        if self.drafter is not None:
+            self.drafter.release(live_seq_ids)
+
+    def stats(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
