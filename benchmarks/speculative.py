@@ -26,6 +26,7 @@ import torch
 
 from paged import LLM, SamplingParams
 from paged.models import chat_prompt, load_hf_model
+from paged.speculative import expected_tokens
 
 PASSAGE = ("The lighthouse stood on a narrow spit of rock at the edge of the bay. Every night its keeper climbed "
            "the one hundred and twelve steps to the lamp room, trimmed the wick, polished the great lens and "
@@ -38,11 +39,6 @@ COPY_ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
 CHAT_ASKS = ["Tell me three facts about the ocean.", "Write a short poem about bees.", "Explain jazz to a child.",
              "What are common misconceptions about glaciers?", "Describe how a violin makes sound.",
              "Why do we have seasons?", "Give me a recipe for pancakes.", "What is a black hole?"]
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a verify appends when each draft is accepted with probability a, independently: 1 + a + ... + a^k."""
-    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
 def prompts_for(tokenizer, workload: str, count: int) -> list[list[int]]:

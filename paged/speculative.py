@@ -43,6 +43,11 @@ MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify appends when each of k drafts is accepted with probability a: 1 + a + ... + a^k."""
+    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
 @dataclass
 class SpeculativeConfig:
     method: str

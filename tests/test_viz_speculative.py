@@ -5,8 +5,8 @@ import matplotlib
 from helpers import make_tiny_llm, random_prompts
 from paged import SamplingParams
 from paged.block_manager import cdiv
-from paged.viz_speculative import (expected_tokens, plot_speedup_curves, plot_token_histograms, record_verifies,
-                                   verify_steps_html)
+from paged.speculative import expected_tokens
+from paged.viz import plot_speedup_curves, plot_token_histograms, record_verifies, verify_steps_html
 
 matplotlib.use("Agg")
 

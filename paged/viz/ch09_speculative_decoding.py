@@ -9,10 +9,7 @@ import html
 
 import matplotlib.pyplot as plt
 
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens one verify appends when each of k drafts is accepted with probability a: 1 + a + ... + a^k."""
-    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+from paged.speculative import expected_tokens
 
 
 def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
