@@ -95,7 +95,7 @@ def unaligned_fraction(prompt_lens, block_size: int) -> float:
 class GuideNumber:
     """One figure: what it is, the computed value (in `unit`), what the guide states and how precisely."""
 
-    chapter: str         # the book's chapter that builds and measures it, "01"
+    chapter: str         # the book's chapter the figure belongs to, "01"
     figure: str          # what is counted, in words
     computed: float      # the package's value, in `unit` (a bool for a claim)
     unit: str
