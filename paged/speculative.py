@@ -43,9 +43,18 @@ MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens one verify appends when each of k drafts is accepted with probability a: 1 + a + ... + a^k."""
-    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+def expected_tokens(acceptance: float, num_drafts: int) -> float:
+    """Tokens one verify appends when each of num_drafts drafts is accepted with probability `acceptance`,
+    independently, and the verify stops at the first rejection: 1 + a + a^2 + ... + a^k = (1 - a^(k+1)) / (1 - a).
+
+    The 1 is the token the target always adds (the correction at the first rejection, or the bonus token after k
+    acceptances). 75 % over 5 drafts gives 3.29, neither 0.75 * 5 + 1 (4.75) nor 4.
+    """
+    if not 0 <= acceptance <= 1:
+        raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+    if num_drafts < 0:
+        raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
+    return float(num_drafts + 1) if acceptance == 1 else (1 - acceptance ** (num_drafts + 1)) / (1 - acceptance)
 
 
 @dataclass

@@ -1,0 +1,191 @@
+"""The guide's figures in one table, each recomputed by this package beside the value the guide states (guide §17-§19).
+
+Every chapter of the book checks a few of the guide's numbers where its mechanism is built. This module gathers them:
+`guide_numbers()` returns one `GuideNumber` per figure, with the value the package computes, the value the guide
+states, and a verdict that is itself computed, never written down: a stated number agrees when the computed one,
+rounded to the precision the guide gives, is the same number; a stated claim (a yes or no) agrees when the
+computation says the same.
+
+Where the guide is off, the row says why and what the right figure is. Most slips are one of three kinds: a binary
+unit read as a decimal one (MiB as MB), a rounded intermediate carried as if exact, or a formula that forgets a term
+(the expected tokens of speculative decoding, the per-card share of the weights).
+
+The chapter that reads vLLM's source (chapter 12) shows the table; the test beside it holds every row.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from paged.fragmentation import four_request_example
+from paged.geometry import (GiB, KiB, LLAMA3_70B_PARAMS, MiB, KVGeometry, block_table_bytes, read_time_s,
+                            worked_example)
+from paged.speculative import expected_tokens
+from paged.traces import sharegpt_trace
+
+GB = 1e9
+H100_MEMORY = 80 * GB                  # an H100 counted as 80 GB, as the guide's weight arithmetic counts it
+VLLM_V1_PREFIX_CACHING_DEFAULT = True   # vllm/config/cache.py, CacheConfig.enable_prefix_caching (chapter 12)
+BELADY_REFERENCES = (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)   # the reference string of Belady, Nelson and Shedler (1969)
+
+
+# small models the guide's arithmetic needs and the engine does not ---------------------------------------------------
+def page_faults(policy: str, references, num_frames: int) -> int:
+    """Page faults of FIFO or LRU replacement over a reference string with num_frames frames."""
+    if policy not in ("fifo", "lru"):
+        raise ValueError(f"policy must be 'fifo' or 'lru', got {policy!r}")
+    frames: list = []                   # fifo: oldest loaded first; lru: least recently used first
+    faults = 0
+    for page in references:
+        if page in frames:
+            if policy == "lru":
+                frames.remove(page)
+                frames.append(page)
+            continue
+        faults += 1
+        if len(frames) == num_frames:
+            frames.pop(0)
+        frames.append(page)
+    return faults
+
+
+def shows_belady_anomaly(policy: str, references=BELADY_REFERENCES, max_frames: int = 6) -> bool:
+    """True when adding a frame ever raises the number of faults. FIFO does on Belady's string (9 faults with 3
+    frames, 10 with 4); LRU is a stack algorithm and never does."""
+    faults = [page_faults(policy, references, n) for n in range(1, max_frames + 1)]
+    return any(later > earlier for earlier, later in zip(faults, faults[1:]))
+
+
+def chunk_sizes(prompt_len: int, budget: int, decode_tokens) -> list[int]:
+    """Chunks of one long prompt under a per-step token budget, when step i first schedules decode_tokens[i] decodes
+    (the last entry repeats): each chunk is what the budget leaves, the last one the rest of the prompt."""
+    chunks, left, i = [], prompt_len, 0
+    while left > 0:
+        room = budget - decode_tokens[min(i, len(decode_tokens) - 1)]
+        if room < 1:
+            raise ValueError(f"step {i} leaves no room for a chunk: budget {budget}, decodes {decode_tokens[i]}")
+        chunks.append(min(room, left))
+        left -= chunks[-1]
+        i += 1
+    return chunks
+
+
+def unaligned_fraction(prompt_lens, block_size: int) -> float:
+    """Fraction of prompts whose last block is partly filled: forking any of them (parallel sampling, beam search)
+    makes the first write of every child copy that block."""
+    lens = np.asarray(prompt_lens)
+    return float(np.mean(lens % block_size != 0))
+
+
+# the table ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GuideNumber:
+    """One figure: what it is, the computed value (in `unit`), what the guide states and how precisely."""
+
+    chapter: str         # the book's chapter the figure belongs to, "01"
+    figure: str          # what is counted, in words
+    computed: float      # the package's value, in `unit` (a bool for a claim)
+    unit: str
+    stated: float        # the guide's value, in `unit` (a bool for a claim)
+    decimals: int = 0    # the precision the guide states it with
+    note: str = ""       # how it is computed; for a figure the guide gets wrong, why
+    shown_decimals: int | None = None   # decimals to show the computed value with (default: `decimals`)
+
+    @property
+    def agrees(self) -> bool:
+        if isinstance(self.stated, bool):
+            return bool(self.computed) == self.stated
+        return round(self.computed, self.decimals) == round(self.stated, self.decimals)
+
+    @property
+    def verdict(self) -> str:
+        return "agrees" if self.agrees else "corrected"
+
+    def shown(self, value, decimals: int | None = None) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        decimals = self.decimals if decimals is None else decimals
+        text = f"{value:,.{decimals}f}" if abs(value) < 1e7 else f"{value:.3g}"
+        return f"{text} {self.unit}".strip()
+
+
+def guide_numbers() -> list[GuideNumber]:
+    """Every figure of the guide this book checks, recomputed. Rows are in the order of the book's chapters."""
+    g = KVGeometry.llama3_70b()
+    we = worked_example(g)
+    four = four_request_example()["naive"].breakdown
+    block_16 = g.block_bytes(16)
+    weights = LLAMA3_70B_PARAMS * g.element_bytes                       # bytes of fp16 weights, 141 GB
+    chunks = chunk_sizes(8000, 2048, decode_tokens=[64, 65])
+    sharegpt = sharegpt_trace(1000, seed=0)
+    rows = [
+        GuideNumber("01", "KV cache per token, Llama-3-70B fp16", g.bytes_per_token / KiB, "KiB", 320,
+                    note="2 x 80 layers x 8 KV heads x 128 x 2 B = 327,680 B"),
+        GuideNumber("01", "KV cache of one 2,048-token request", g.request_bytes(2048) / MiB, "MiB", 640),
+        GuideNumber("02", "four-request example: slots holding tokens", four.live, "slots", 2880),
+        GuideNumber("02", "four-request example: slots reserved", four.allocated, "slots", 8192),
+        GuideNumber("02", "four-request example: reserved slots wasted", 100 * four.wasted_fraction, "%", 64.8, 1),
+        GuideNumber("03", "one block of one layer, block size 16", g.block_bytes_per_layer(16) / KiB, "KiB", 64),
+        GuideNumber("03", "one block over 80 layers, block size 16", block_16 / MiB, "MiB", 5),
+        GuideNumber("03", "blocks in a 40 GiB pool", g.pool_blocks(40 * GiB, 16), "blocks", 8192),
+        GuideNumber("03", "tokens in a 40 GiB pool", g.pool_tokens(40 * GiB, 16), "tokens", 131072),
+        GuideNumber("03", "block table [200, 512] int32", block_table_bytes(200, 8192, 16) / KiB, "KiB", 400,
+                    note="200 sequences of up to 8,192 tokens at block size 16"),
+        GuideNumber("02", "worst tail waste of one request, block size 16", 15 * g.bytes_per_token / MiB, "MiB", 4.8,
+                    1, note="15 empty slots x 320 KiB = 4,800 KiB = 4.69 MiB; 4.8 reads KiB / 1,000 as MiB",
+                    shown_decimals=2),
+        GuideNumber("01", "K and V one layer reads for a 4,096-token decode", g.decode_read_bytes(4096, 1) / MiB,
+                    "MiB", 16),
+        GuideNumber("04", "time to read those 16 MiB at 3.35 TB/s", read_time_s(g.decode_read_bytes(4096, 1)) * 1e6,
+                    "µs", 4.8, 1, note="16 MiB is 16.8 MB: 16,777,216 B / 3.35e12 B/s = 5.0 µs; 4.8 µs treats MiB as MB"),
+        GuideNumber("01", "naive: 200 requests reserving 2,048 tokens each", we.naive_reserved_bytes / GiB, "GiB", 125),
+        GuideNumber("01", "naive: reserved memory holding nothing at a mean of 400 tokens",
+                    100 * we.naive_waste_fraction, "%", 80, note="1 - 400 / 2,048 = 80.5 %"),
+        GuideNumber("01", "naive: requests a 200 GiB KV budget admits", we.naive_max_requests, "requests", 320),
+        GuideNumber("01", "paged: requests a 200 GiB KV budget admits at a mean of 400", we.paged_max_requests,
+                    "requests", 1638, note="200 GiB / (25 blocks x 5 MiB)"),
+        GuideNumber("01", "paged: 200 requests x 400 tokens x 320 KiB", we.paged_reserved_bytes / GiB, "GiB", 25,
+                    note="25,000 MiB is 24.4 GiB; 25 divides MiB by 1,000", shown_decimals=1),
+        GuideNumber("01", "memory left per card: 70B fp16 weights on two 80 GB cards",
+                    (2 * H100_MEMORY - weights) / 2 / GB, "GB", 20,
+                    note="70.6 B weights x 2 B = 141 GB; 160 - 141 = 19 GB for both cards together, about 10 each",
+                    shown_decimals=1),
+        GuideNumber("01", "memory left per card: the same weights over four 80 GB cards",
+                    (H100_MEMORY - weights / 4) / GiB, "GiB", 50,
+                    note="80 GB - 35.3 GB = 44.7 GB = 41.6 GiB, about 42 GiB before activations",
+                    shown_decimals=1),
+        GuideNumber("05", "prefill FLOPs that 1.5 B cached prompt tokens save, Llama-3-70B",
+                    2 * LLAMA3_70B_PARAMS * 1.5e9, "FLOPs", 1.5e9,
+                    note="the 1.5 B is a count of prefill tokens; at 2 FLOPs per weight per token they are 2.1e20 "
+                         "FLOPs (attention not counted)"),
+        GuideNumber("05", "LRU replacement shows Belady's anomaly", shows_belady_anomaly("lru"), "", True,
+                    note=f"Belady's string: FIFO faults {page_faults('fifo', BELADY_REFERENCES, 3)} with 3 frames, "
+                         f"{page_faults('fifo', BELADY_REFERENCES, 4)} with 4 (the anomaly); LRU "
+                         f"{page_faults('lru', BELADY_REFERENCES, 3)} and {page_faults('lru', BELADY_REFERENCES, 4)}"),
+        GuideNumber("05", "vLLM V1 turns prefix caching on by default", VLLM_V1_PREFIX_CACHING_DEFAULT, "", False,
+                    note="read from vLLM's source: CacheConfig.enable_prefix_caching defaults to True "
+                         "(vllm/config/cache.py)"),
+        GuideNumber("06", "share of ShareGPT-like prompts whose last block is partial (copy-on-write at a fork)",
+                    100 * unaligned_fraction([r.input_len for r in sharegpt], 16), "%", 5,
+                    note="the guide calls it very rare (taken here as 5 % or less); 15 of 16 lengths leave the "
+                         "last block partial"),
+        GuideNumber("08", "§12: steps to prefill an 8,000-token prompt, budget 2,048, beside the running decodes",
+                    len(chunks), "steps", 6,
+                    note=" + ".join(f"{c:,}" for c in chunks) + " = 8,000: 64 decodes in the first step, 65 after, "
+                         "as the guide's decomposition has it"),
+        GuideNumber("09", "tokens per step: 75 % acceptance, 5 drafted tokens", expected_tokens(0.75, 5),
+                    "tokens", 4, note="(1 - 0.75^6) / (1 - 0.75) = 3.29: acceptance stops at the first rejection",
+                    shown_decimals=2),
+    ]
+    return rows
+
+
+def corrections(rows=None) -> list[GuideNumber]:
+    """The rows where the guide is off."""
+    return [row for row in (rows or guide_numbers()) if not row.agrees]
+
+
+def table_rows(rows=None) -> list[dict]:
+    """The table as plain rows for a chapter's html_table."""
+    return [{"chapter": r.chapter, "figure": r.figure, "computed": r.shown(r.computed, r.shown_decimals), "guide": r.shown(r.stated),
+             "verdict": r.verdict, "why": r.note} for r in (rows or guide_numbers())]
