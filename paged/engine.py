@@ -284,7 +284,7 @@ class LLM:
             hf_model, tokenizer = load_hf_model(dtype=dtype, device=device)
         else:
             hf_model = model.to(device=device, dtype=dtype).eval()
-        backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
         self.engine = LLMEngine(PagedLlama(hf_model, backend), tokenizer, block_size=block_size,
                                 num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,

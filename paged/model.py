@@ -31,15 +31,24 @@ class AttentionMetadata:
 
 
 def attention_backend(name: str) -> SimpleNamespace:
-    """The three operations the forward pass needs, from the torch reference or the Triton kernels."""
+    """The three operations the forward pass needs, and the name of what provides them: the torch reference,
+    the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which reads K/V in place in the pool.
+    Where the C++ kernel cannot be built, "cpu" falls back to the torch reference after one warning."""
+    if name == "cpu":
+        from kernels import cpu
+        ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
+        if ops is not None:  # the ops themselves, without the Python checks: the engine's tables are valid
+            return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=ops.decode,
+                                   prefill=ops.prefill)
+        name = "torch"
     if name == "torch":
-        return SimpleNamespace(write_kv=torch_attention.write_kv, decode=torch_attention.decode_attention,
-                               prefill=torch_attention.prefill_attention)
+        return SimpleNamespace(name="torch", write_kv=torch_attention.write_kv,
+                               decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention)
     if name == "triton":
         import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
-        return SimpleNamespace(write_kv=kernels.reshape_and_cache, decode=kernels.paged_decode_attention,
-                               prefill=kernels.paged_prefill_attention)
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+        return SimpleNamespace(name="triton", write_kv=kernels.reshape_and_cache,
+                               decode=kernels.paged_decode_attention, prefill=kernels.paged_prefill_attention)
+    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,9 +94,12 @@ class PagedLlama:
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
-        self.backend = attention_backend(backend)
         self.dtype = hf_model.dtype
         self.device = hf_model.device
+        if backend == "cpu" and self.device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
+                             f"use 'triton' or 'torch' there")
+        self.backend = attention_backend(backend)
         body = hf_model.model
         self.embed_tokens = body.embed_tokens.weight.detach()    # [vocab, hidden]
         self.final_norm = body.norm.weight.detach()              # [hidden]
