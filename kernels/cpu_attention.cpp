@@ -1,11 +1,12 @@
 // Paged attention on a CPU, in C++ (guide §5 "block tables", §7 "the paged kernel").
 //
 // The loop of kernels/decode_v1.py and kernels/prefill.py, written for a CPU. One task is a tile: a sequence,
-// one KV head, and a run of that sequence's new tokens. Its rows are (token, query head) pairs for every query
-// head that shares the KV head (GQA), so each K and V row is read once per KV head. The task walks the
-// sequence's block table and reads K and V where they lie in the pool, block by block, with an online softmax:
-// nothing is gathered into a contiguous copy. Tasks run on torch's own thread pool (at::parallel_for), longest
-// first, each thread taking the next task as it finishes one, so ragged sequences do not leave a core idle.
+// one KV head (or, at decode with many sequences, all of them), and a run of that sequence's new tokens. Its rows
+// are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
+// is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
+// pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
+// own thread pool (at::parallel_for), longest first, each thread taking the next task as it finishes one, so
+// ragged sequences do not leave a core idle. While a block is computed, the next one's rows are prefetched.
 //
 //   query            [num_tokens, num_heads, head_dim]                  any strides, head_dim contiguous
 //   key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   NHD; value_cache the same
@@ -37,12 +38,15 @@ using at::Tensor;
 
 constexpr int64_t kQueryTile = 16;         // new tokens per prefill tile
 constexpr int64_t kWorkPerThread = 4096;   // (row, key) pairs a thread should have before another one joins
+constexpr int64_t kSeqsPerThread = 4;      // decode: sequences per thread from which a tile takes all KV heads
 
 // Rows of `num_tokens` consecutive new tokens of sequence `seq`, starting at row `token` of the query and at
-// position `first_pos` of the sequence, against KV head `kv_head`. Row r's token sits at first_pos + r / group
-// and sees the keys at positions 0 .. first_pos + r / group (causal; at decode the one token sees them all).
+// position `first_pos` of the sequence, against KV heads kv_head .. kv_head + num_kv_heads - 1 and the query
+// heads that share them. With G = num_kv_heads * group rows per token, row r is token r / G and query head
+// kv_head * group + r % G; it sees the keys at positions 0 .. first_pos + r / G (causal; at decode the one
+// token sees them all).
 struct Tile {
-  int64_t seq, kv_head, token, num_tokens, first_pos, cost;
+  int64_t seq, kv_head, num_kv_heads, token, num_tokens, first_pos, cost;
 };
 
 using Vec = at::vec::Vectorized<float>;  // torch's SIMD vector: 8 floats with AVX2, 16 with AVX-512
@@ -87,21 +91,24 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
     for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
 }
 
-// y += sum over t < n of p[t] * x[t], for rows x[t] of length d: y is kept in registers, 4 vectors at a time.
+// y += sum over t < n of p[t] * x[t], for rows x[t] of length d_total. Eight vectors of y at a time stay in
+// registers over all n rows: eight independent chains of multiply-adds.
 inline void weighted_sum(const float* p, const float* const* x, int64_t n, float* y, int64_t d_total) {
+  constexpr int64_t kChunk = 8 * kLanes;
   int64_t d = 0;
-  for (; d + 4 * kLanes <= d_total; d += 4 * kLanes) {
-    Vec y0 = Vec::loadu(y + d), y1 = Vec::loadu(y + d + kLanes), y2 = Vec::loadu(y + d + 2 * kLanes),
-        y3 = Vec::loadu(y + d + 3 * kLanes);
+  for (; d + kChunk <= d_total; d += kChunk) {
+    Vec acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = Vec::loadu(y + d + i * kLanes);
     for (int64_t t = 0; t < n; ++t) {
       const Vec a(p[t]);
-      const float* row = x[t] + d;
-      y0 = at::vec::fmadd(a, Vec::loadu(row), y0);
-      y1 = at::vec::fmadd(a, Vec::loadu(row + kLanes), y1);
-      y2 = at::vec::fmadd(a, Vec::loadu(row + 2 * kLanes), y2);
-      y3 = at::vec::fmadd(a, Vec::loadu(row + 3 * kLanes), y3);
+      for (int i = 0; i < 8; ++i) acc[i] = at::vec::fmadd(a, Vec::loadu(x[t] + d + i * kLanes), acc[i]);
     }
-    y0.store(y + d), y1.store(y + d + kLanes), y2.store(y + d + 2 * kLanes), y3.store(y + d + 3 * kLanes);
+    for (int i = 0; i < 8; ++i) acc[i].store(y + d + i * kLanes);
+  }
+  for (; d + kLanes <= d_total; d += kLanes) {
+    Vec acc = Vec::loadu(y + d);
+    for (int64_t t = 0; t < n; ++t) acc = at::vec::fmadd(Vec(p[t]), Vec::loadu(x[t] + d), acc);
+    acc.store(y + d);
   }
   for (; d < d_total; ++d)
     for (int64_t t = 0; t < n; ++t) y[d] += p[t] * x[t][d];
@@ -156,7 +163,7 @@ struct PagedAttention {
   float scale;
 
   void run(const Tile& tile, Scratch& s) const {
-    const int64_t D = head_dim, G = group, bs = block_size;
+    const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size, kv_stride = bs + 3;
     const int64_t rows = tile.num_tokens * G;                       // row r: token r / G, query head r % G
     const int64_t last_pos = tile.first_pos + tile.num_tokens - 1;   // the last key any row of the tile sees
     s.q.resize(rows * D);
@@ -165,14 +172,14 @@ struct PagedAttention {
     s.l.assign(rows, 0.f);                                          // running sum of exp(score - m)
     const int64_t p_stride = (bs + 3) / 4 * 4;                      // room for the last group of four keys
     s.p.resize(rows * p_stride);                                    // one block's scores, then weights
-    s.k_rows.resize(bs * D);
-    s.v_rows.resize(bs * D);
-    s.k.resize(bs + 3);
-    s.v.resize(bs);
+    s.k_rows.resize(tile.num_kv_heads * bs * D);
+    s.v_rows.resize(tile.num_kv_heads * bs * D);
+    s.k.resize(tile.num_kv_heads * kv_stride);
+    s.v.resize(tile.num_kv_heads * kv_stride);
     const float** k = s.k.data();
     const float** v = s.v.data();
     for (int64_t r = 0; r < rows; ++r) {                            // the scale is folded into the queries
-      const T* q = query + (tile.token + r / G) * q_stride_token + (tile.kv_head * G + r % G) * q_stride_head;
+      const T* q = query + (tile.token + r / G) * q_stride_token + (tile.kv_head * group + r % G) * q_stride_head;
       for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = static_cast<float>(q[d]) * scale;
     }
     const int32_t* table = block_tables + tile.seq * table_stride;
@@ -180,21 +187,25 @@ struct PagedAttention {
       const int64_t physical = table[j];                            // the indirection: one int32 per block
       const int64_t start = j * bs;
       const int64_t n = std::min(bs, last_pos + 1 - start);        // the last block may be partly filled
-      const T* k_block = key_cache + physical * stride_block + tile.kv_head * stride_head;
-      const T* v_block = value_cache + physical * stride_block + tile.kv_head * stride_head;
       if (j < last_pos / bs) {                                      // block j + 1 travels while j is computed
         const int64_t next = table[j + 1] * stride_block + tile.kv_head * stride_head;
-        prefetch_rows(key_cache + next, bs, stride_slot, D);
-        prefetch_rows(value_cache + next, bs, stride_slot, D);
+        prefetch_rows(key_cache + next, bs, stride_slot, tile.num_kv_heads * D);
+        prefetch_rows(value_cache + next, bs, stride_slot, tile.num_kv_heads * D);
       }
-      for (int64_t t = 0; t < n; ++t) {                             // K and V rows, read where they lie
-        k[t] = as_float(k_block + t * stride_slot, s.k_rows.data() + t * D, D);
-        v[t] = as_float(v_block + t * stride_slot, s.v_rows.data() + t * D, D);
+      for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
+        const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+        const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+        const float** k_h = k + h * kv_stride;
+        for (int64_t t = 0; t < n; ++t) {                           // K and V rows, read where they lie
+          k_h[t] = as_float(k_block + t * stride_slot, s.k_rows.data() + (h * bs + t) * D, D);
+          v[h * kv_stride + t] = as_float(v_block + t * stride_slot, s.v_rows.data() + (h * bs + t) * D, D);
+        }
+        for (int64_t t = n; t < n + 3; ++t) k_h[t] = k_h[0];        // pads the last group of four keys
       }
-      for (int64_t t = n; t < n + 3; ++t) k[t] = k[0];              // pads the last group of four keys
       // scores = q . k for every row and key of the block, four keys at a time
       for (int64_t t = 0; t < n; t += 4)
-        for (int64_t r = 0; r < rows; ++r) dot4(s.q.data() + r * D, k + t, D, s.p.data() + r * p_stride + t);
+        for (int64_t r = 0; r < rows; ++r)
+          dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t);
       for (int64_t r = 0; r < rows; ++r) {
         // keys after the row's own position are masked (only in a prefill tile's last blocks)
         const int64_t visible = std::clamp<int64_t>(tile.first_pos + r / G - start + 1, 0, n);
@@ -207,11 +218,11 @@ struct PagedAttention {
         float* acc = s.acc.data() + r * D;
         if (alpha != 1.f) rescale(alpha, acc, D);
         s.m[r] = m_new;
-        weighted_sum(p, v, visible, acc, D);                 // acc += p @ V
+        weighted_sum(p, v + (r % G) / group * kv_stride, visible, acc, D);  // acc += p @ V
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      T* o = out + (tile.token + r / G) * num_heads * D + (tile.kv_head * G + r % G) * D;
+      T* o = out + (tile.token + r / G) * num_heads * D + (tile.kv_head * group + r % G) * D;
       const float inv_l = 1.f / s.l[r];
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(s.acc[r * D + d] * inv_l);
     }
@@ -221,7 +232,7 @@ struct PagedAttention {
 // Run every tile on torch's thread pool: longest first, each thread taking the next tile as it finishes one.
 template <typename T>
 void run_tiles(const PagedAttention<T>& attention, std::vector<Tile>& tiles) {
-  std::sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   int64_t work = 0;
   for (const Tile& tile : tiles) work += tile.cost;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / kWorkPerThread));
@@ -287,9 +298,13 @@ Tensor decode(const Tensor& query, const Tensor& key_cache, const Tensor& value_
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t num_kv_heads = key_cache.size(2), group = query.size(1) / num_kv_heads;
   std::vector<Tile> tiles;
+  // A tile per (sequence, KV head), as the Triton kernel's grid; with sequences enough to share among the threads,
+  // a tile per sequence, which reads each block front to back (all its heads) instead of in strided slices.
+  const int64_t kv_per_tile = query.size(0) >= kSeqsPerThread * at::get_num_threads() ? num_kv_heads : 1;
   for (int64_t seq = 0; seq < query.size(0); ++seq) {
     TORCH_CHECK_VALUE(lens[seq] >= 1, "context_lens must be >= 1 at decode");
-    for (int64_t h = 0; h < num_kv_heads; ++h) tiles.push_back({seq, h, seq, 1, lens[seq] - 1, group * lens[seq]});
+    for (int64_t h = 0; h < num_kv_heads; h += kv_per_tile)
+      tiles.push_back({seq, h, kv_per_tile, seq, 1, lens[seq] - 1, kv_per_tile * group * lens[seq]});
   }
   Tensor out = at::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_cpu", [&] {
@@ -322,7 +337,7 @@ Tensor prefill(const Tensor& query, const Tensor& key_cache, const Tensor& value
       const int64_t num_tokens = std::min(kQueryTile, query_len - begin);
       const int64_t first_pos = lens[seq] - query_len + begin;
       for (int64_t h = 0; h < num_kv_heads; ++h)
-        tiles.push_back({seq, h, starts[seq] + begin, num_tokens, first_pos,
+        tiles.push_back({seq, h, 1, starts[seq] + begin, num_tokens, first_pos,
                          num_tokens * group * (first_pos + num_tokens)});
     }
   }

@@ -95,23 +95,28 @@ def test_reads_nothing_outside_the_context():
     assert_close(out, expected, torch.float32)
 
 
-def test_strided_query_and_one_or_two_threads_give_the_same_bits():
-    """A query sliced from a fused qkv tensor works; the result does not depend on how tiles meet threads."""
-    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77], 16, 3, 64, torch.float32, seed=5)
-    qkv = random_query(4, 15, 64, torch.float32, seed=5)
+def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():
+    """A query sliced from a fused qkv tensor works. A batch of many sequences runs a tile per sequence, a lone
+    sequence a tile per KV head, on one thread or two: every row's arithmetic is the same, and so are the bits."""
+    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32,
+                                                      seed=5)
+    qkv = random_query(8, 15, 64, torch.float32, seed=5)
     query = qkv[:, :9]
     assert not query.is_contiguous()
-    args = query, key_cache, value_cache, tables, lens, 0.125
     threads = torch.get_num_threads()
+    outs = []
     try:
-        torch.set_num_threads(1)
-        alone = cpu.paged_decode_attention(*args)
-        torch.set_num_threads(2)
-        together = cpu.paged_decode_attention(*args)
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            outs.append(cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125))
+            outs.append(torch.cat([cpu.paged_decode_attention(query[s:s + 1], key_cache, value_cache,
+                                                              tables[s:s + 1], lens[s:s + 1], 0.125)
+                                   for s in range(8)]))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, together)
-    assert_close(alone, ref.decode_attention(query.contiguous(), *args[1:]), torch.float32)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    expected = ref.decode_attention(query.contiguous(), key_cache, value_cache, tables, lens, 0.125)
+    assert_close(outs[0], expected, torch.float32)
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
