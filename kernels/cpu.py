@@ -5,12 +5,15 @@
     paged_prefill_attention  a chunk of new tokens per sequence attends causally to its context and itself
 
 Same signatures, semantics and input checks (kernels/checks.py) as the Triton kernels, so the same bad input
-raises the same ValueError. The C++ file is compiled by torch's extension machinery (torch.utils.cpp_extension)
-the first time it is needed, with OpenMP so that at::parallel_for runs on torch's own threads, and for the vector
-instructions torch itself uses on this CPU; the library is kept under torch's extension cache, named by a hash
-of the source and the flags, and later processes load it in milliseconds. Its ops are torch ops
-(torch.ops.paged_cpu.*): the profiler names them, and the engine calls them per layer without the Python checks
-(the C++ still keeps every access inside its tensor).
+raises the same ValueError. The same library holds two small per-layer ops of the Llama block, fused
+(kernels/cpu_layer_ops.cpp: RoPE in place, SiLU-and-multiply), which the engine uses beside the kernel.
+
+The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are
+needed, with OpenMP so that at::parallel_for runs on torch's own threads, and for the vector instructions torch
+itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
+flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler
+names them, and the engine calls them per layer without the Python checks (the C++ still keeps every access
+inside its tensor).
 
 Where there is no C++ compiler, or the build fails, `load()` returns None after one warning that says why, and
 the engine uses the torch reference (paged.attention) instead.
@@ -27,7 +30,7 @@ import torch
 
 from kernels.checks import check_cache_write, check_decode, check_prefill
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp")]
 ISA_FLAGS = {  # torch's own vector level on this CPU -> the compiler flags that allow the same instructions
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],
@@ -38,12 +41,14 @@ _failure = None      # why it could not be built, once known
 
 
 def build_flags() -> list[str]:
-    return ["-O3", "-fopenmp", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    # -ffp-contract=off: a * b + c keeps its two roundings, as in torch's own elementwise ops
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
 def library_name() -> str:
-    """A name that changes whenever the source, the flags or torch change, so a cached build is never stale."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags() + [torch.__version__]).encode())
+    """A name that changes whenever the sources, the flags or torch change, so a cached build is never stale."""
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
+                            + " ".join(build_flags() + [torch.__version__]).encode())
     return f"paged_cpu_attention_{digest.hexdigest()[:12]}"
 
 
@@ -65,10 +70,10 @@ def load():
             compiler = os.environ.get("CXX", "c++")
             if shutil.which(compiler) is None:
                 raise RuntimeError(f"no C++ compiler found (looked for {compiler!r}; set CXX to name one)")
-            print(f"Building the CPU paged-attention kernel ({SOURCE.name}, once; about a minute)...",
-                  file=sys.stderr, flush=True)
+            print(f"Building the CPU paged-attention kernel ({', '.join(s.name for s in SOURCES)}; once, "
+                  f"about a minute)...", file=sys.stderr, flush=True)
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name, [str(SOURCE)], extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
                                build_directory=str(build_dir), is_python_module=False)
             print(f"Built and cached in {build_dir}", file=sys.stderr, flush=True)
     except Exception as error:  # no compiler, no ninja, a failed build: say so once and let the caller fall back

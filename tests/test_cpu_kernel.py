@@ -14,7 +14,7 @@ import torch
 
 from kernels import cpu
 from paged import attention as ref
-from paged.model import attention_backend
+from paged.model import apply_rope, attention_backend, silu_and_mul
 from test_kernels import bad_decode_inputs, decode_call, paged_pool, random_query
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -129,6 +129,20 @@ def test_cache_write_matches_write_kv(slot_dtype):
     ref.write_kv(key, value, expected_k, expected_v, slots)
     cpu.reshape_and_cache(key, value, key_cache, value_cache, slots)     # float64 rows are cast to the pool's fp32
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_fused_layer_ops_give_the_torch_bits(num_tokens):
+    """RoPE in place on a strided slice of a fused qkv tensor, and SiLU-and-multiply: the same floats as
+    paged.model's torch code, to the last bit (so the engine's tokens cannot drift from the oracle here)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = 3 * torch.randn(num_tokens, 15 * 64, generator=gen)
+    cos, sin = torch.randn(num_tokens, 64, generator=gen), torch.randn(num_tokens, 64, generator=gen)
+    qk = qkv[:, :12 * 64].view(num_tokens, 12, 64)                      # 9 query and 3 key heads, strided rows
+    expected = apply_rope(qk, cos, sin)
+    assert cpu.load().rotary(qk, cos, sin) is qk and torch.equal(qk, expected)
+    gate_up = 4 * torch.randn(num_tokens, 2 * 96, generator=gen)
+    assert torch.equal(cpu.load().silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
 
 
 # --- bad input: the Triton wrappers' messages ---------------------------------------------------------------
