@@ -1,8 +1,9 @@
 """Where the time of one engine step goes (guide §11, §13): torch's profiler over warm decode steps, with every
-aten op put in the part of the forward pass it serves.
+op (torch's own, and the C++ kernel's) put in the part of the forward pass it serves.
 
     python benchmarks/step_profile.py                          # 64 chat prompts, steps 59-68 of 128
     python benchmarks/step_profile.py --num-prompts 16 --steps 3
+    python benchmarks/step_profile.py --attention-backend torch   # the torch reference: gather, then SDPA
 
 The engine runs the benchmark's chat prompts to the middle of their decode, then profiles a few steps. Each op's
 own time (not counting the ops it calls) is summed into a part; "python and scheduling" is what the step's wall
@@ -20,18 +21,29 @@ from paged import LLM, SamplingParams
 from paged.models import load_hf_model
 from throughput import chat_prompts
 
-PARTS = {  # aten op -> what it does in a decode step of paged/model.py and paged/attention.py
+PARTS = {  # aten op -> what it does in a decode step of paged/model.py, whichever attention runs
     "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
-    "aten::index_select": "K/V gather through the block tables",
-    "aten::embedding": "K/V gather through the block tables",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
-    "aten::index_copy_": "K/V write into the pool",
     "aten::argmax": "sampling",
 }
+ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
+    "torch": {  # paged/attention.py
+        "aten::index_select": "K/V gather through the block tables",
+        "aten::embedding": "K/V gather through the block tables",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
+        "aten::index_copy_": "K/V write into the pool",
+    },
+    "cpu": {  # kernels/cpu_attention.cpp
+        "paged_cpu::decode": "attention, reading K/V in place (C++ kernel)",
+        "paged_cpu::prefill": "attention, reading K/V in place (C++ kernel)",
+        "paged_cpu::reshape_and_cache": "K/V write into the pool",
+    },
+}
+OTHER = "other ops (norms, RoPE, SiLU, residuals, masks, views)"
 
 
-def part_of(op: str) -> str:
-    return PARTS.get(op, "other ops (norms, RoPE, SiLU, residuals, masks, views)")
+def parts_of(backend: str) -> dict[str, str]:
+    """Every op a step of this attention backend runs that has a part of its own -> that part."""
+    return {**PARTS, **ATTENTION_PARTS[backend]}
 
 
 def profile_steps(engine, steps: int) -> tuple[float, float, dict[str, float]]:
@@ -49,9 +61,11 @@ def profile_steps(engine, steps: int) -> tuple[float, float, dict[str, float]]:
             engine.step()
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
     parts: dict[str, float] = {}
+    named = parts_of(engine.model.backend.name)
     for event in prof.key_averages():
-        if event.key.startswith("aten::"):
-            parts[part_of(event.key)] = parts.get(part_of(event.key), 0.0) + event.self_cpu_time_total / 1e3 / steps
+        if event.key.startswith(("aten::", "paged_cpu::")):
+            part = named.get(event.key, OTHER)
+            parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e3 / steps
     parts["python, scheduling and the profiler's own cost"] = max(0.0, wall_ms - sum(parts.values()))
     return plain_ms, wall_ms, parts
 
@@ -61,10 +75,12 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="decode steps to time, and as many to profile")
+    parser.add_argument("--attention-backend", choices=sorted(ATTENTION_PARTS), default="cpu",
+                        help="the C++ kernel (the default on a CPU) or the torch reference")
     args = parser.parse_args()
     model, tokenizer = load_hf_model()
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=2048,
-              max_num_seqs=args.num_prompts)
+              max_num_seqs=args.num_prompts, attention_backend=args.attention_backend)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for prompt in chat_prompts(tokenizer, args.num_prompts):
@@ -73,8 +89,8 @@ def main():
         engine.step()
     context = max(seq.num_tokens for seq in engine.scheduler.running)
     plain_ms, wall_ms, parts = profile_steps(engine, args.steps)
-    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens: {plain_ms:.1f} ms a step, "
-          f"{wall_ms:.1f} ms under the profiler")
+    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens, {engine.model.backend.name} "
+          f"attention: {plain_ms:.1f} ms a step, {wall_ms:.1f} ms under the profiler")
     for name, ms in sorted(parts.items(), key=lambda item: -item[1]):
         print(f"  {name:<58} {ms:7.1f} ms {ms / wall_ms:6.1%}")
 

@@ -364,7 +364,7 @@ class LLM:
         else:
             raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
                              f"got {model!r}")
-        backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
         target = PagedLlama(hf_model, backend)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":

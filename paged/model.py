@@ -31,15 +31,28 @@ class AttentionMetadata:
 
 
 def attention_backend(name: str) -> SimpleNamespace:
-    """The three operations the forward pass needs, from the torch reference or the Triton kernels."""
+    """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
+    provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
+    reads K/V in place in the pool. Two small per-layer ops come along (rope, silu_and_mul): in torch, or fused
+    by the C++ library, with the same bits. Where the C++ library cannot be built, "cpu" falls back to the torch
+    reference after one warning."""
+    if name == "cpu":
+        from kernels import cpu
+        ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
+        if ops is not None:  # the ops themselves, without the Python checks: the engine's tables are valid
+            return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=ops.decode,
+                                   prefill=ops.prefill, rope=ops.rotary, silu_and_mul=ops.silu_and_mul)
+        name = "torch"
     if name == "torch":
-        return SimpleNamespace(write_kv=torch_attention.write_kv, decode=torch_attention.decode_attention,
-                               prefill=torch_attention.prefill_attention)
+        return SimpleNamespace(name="torch", write_kv=torch_attention.write_kv,
+                               decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
+                               rope=apply_rope, silu_and_mul=silu_and_mul)
     if name == "triton":
         import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
-        return SimpleNamespace(write_kv=kernels.reshape_and_cache, decode=kernels.paged_decode_attention,
-                               prefill=kernels.paged_prefill_attention)
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+        return SimpleNamespace(name="triton", write_kv=kernels.reshape_and_cache,
+                               decode=kernels.paged_decode_attention, prefill=kernels.paged_prefill_attention,
+                               rope=apply_rope, silu_and_mul=silu_and_mul)
+    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +74,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """
     out = x * cos[:, None, :]
     return out.add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin[:, None, :]))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [num_tokens, 2 * intermediate] -> silu(gate) * up [num_tokens, intermediate], as HF's LlamaMLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 @dataclass
@@ -85,9 +104,12 @@ class PagedLlama:
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
-        self.backend = attention_backend(backend)
         self.dtype = hf_model.dtype
         self.device = hf_model.device
+        if backend == "cpu" and self.device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
+                             f"use 'triton' or 'torch' there")
+        self.backend = attention_backend(backend)
         body = hf_model.model
         self.embed_tokens = body.embed_tokens.weight.detach()    # [vocab, hidden]
         self.final_norm = body.norm.weight.detach()              # [hidden]
@@ -120,14 +142,13 @@ class PagedLlama:
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
             qk, v = F.linear(x, layer.qkv).split([q_size + kv_size, kv_size], dim=-1)
-            qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qk = self.backend.rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
             hidden += F.linear(out.view(num_tokens, q_size), layer.o)
             x = rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+            hidden += F.linear(self.backend.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
         return F.linear(last, self.lm_head).float()                         # [num_logits, vocab]
 

@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -174,7 +175,7 @@ def decode_call(**change):
     args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "context_lens", "scale"],
                     decode_inputs(8, 4, 2, 64, torch.float32)))
     args.update(change)
-    return lambda: kernels.paged_decode_attention(**args)
+    return functools.partial(kernels.paged_decode_attention, **args)
 
 
 def bad_decode_inputs():

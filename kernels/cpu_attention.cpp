@@ -1,0 +1,406 @@
+// Paged attention on a CPU, in C++ (guide §5 "block tables", §7 "the paged kernel").
+//
+// The loop of kernels/decode_v1.py and kernels/prefill.py, written for a CPU. One task is a tile: a sequence,
+// one KV head (or, at decode with many sequences, all of them), and a run of that sequence's new tokens. Its rows
+// are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
+// is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
+// pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
+// own thread pool (at::parallel_for), longest first, each thread taking the next task as it finishes one, so
+// ragged sequences do not leave a core idle. While a block is computed, the next one's rows are prefetched.
+//
+//   query            [num_tokens, num_heads, head_dim]                  any strides, head_dim contiguous
+//   key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   NHD; value_cache the same
+//   block_tables     int32 [num_seqs, max_blocks_per_seq]
+//   context_lens     int32 [num_seqs]       cached tokens, this step's included
+//   query_start_loc  int32 [num_seqs + 1]   prefill: sequence b's new tokens are rows qsl[b] .. qsl[b + 1] - 1
+//   slot_mapping     int32 or int64 [num_tokens]   block_id * block_size + offset; -1 skips the token
+//
+// kernels/cpu.py builds this file on first use and checks inputs as the Triton wrappers do; the checks here
+// keep every read and write inside its tensor, and raise ValueError.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kQueryTile = 16;         // new tokens per prefill tile
+constexpr int64_t kWorkPerThread = 4096;   // (row, key) pairs a thread should have before another one joins
+constexpr int64_t kSeqsPerThread = 4;      // decode: sequences per thread from which a tile takes all KV heads
+
+// Rows of `num_tokens` consecutive new tokens of sequence `seq`, starting at row `token` of the query and at
+// position `first_pos` of the sequence, against KV heads kv_head .. kv_head + num_kv_heads - 1 and the query
+// heads that share them. With G = num_kv_heads * group rows per token, row r is token r / G and query head
+// kv_head * group + r % G; it sees the keys at positions 0 .. first_pos + r / G (causal; at decode the one
+// token sees them all).
+struct Tile {
+  int64_t seq, kv_head, num_kv_heads, token, num_tokens, first_pos, cost;
+};
+
+using Vec = at::vec::Vectorized<float>;  // torch's SIMD vector: 8 floats with AVX2, 16 with AVX-512
+constexpr int64_t kLanes = Vec::size();
+
+// A row of K or V as floats: the row itself when the pool holds fp32, else converted into `buffer`.
+template <typename T>
+inline const float* as_float(const T* row, float* buffer, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
+  return buffer;
+}
+template <>
+inline const float* as_float<float>(const float* row, float*, int64_t) {
+  return row;
+}
+
+// Ask the memory system for n rows of d elements, `stride` elements apart, ahead of their use.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows + t * stride) + byte);
+}
+
+inline float sum_lanes(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// out[i] = q . k[i] for four keys at once: four running sums keep the multiply-add units busy.
+inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    const Vec x = Vec::loadu(q + d);
+    s0 = at::vec::fmadd(x, Vec::loadu(k[0] + d), s0);
+    s1 = at::vec::fmadd(x, Vec::loadu(k[1] + d), s1);
+    s2 = at::vec::fmadd(x, Vec::loadu(k[2] + d), s2);
+    s3 = at::vec::fmadd(x, Vec::loadu(k[3] + d), s3);
+  }
+  out[0] = sum_lanes(s0), out[1] = sum_lanes(s1), out[2] = sum_lanes(s2), out[3] = sum_lanes(s3);
+  for (; d < n; ++d)
+    for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
+}
+
+// y += sum over t < n of p[t] * x[t], for rows x[t] of length d_total. Eight vectors of y at a time stay in
+// registers over all n rows: eight independent chains of multiply-adds.
+inline void weighted_sum(const float* p, const float* const* x, int64_t n, float* y, int64_t d_total) {
+  constexpr int64_t kChunk = 8 * kLanes;
+  int64_t d = 0;
+  for (; d + kChunk <= d_total; d += kChunk) {
+    Vec acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = Vec::loadu(y + d + i * kLanes);
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec a(p[t]);
+      for (int i = 0; i < 8; ++i) acc[i] = at::vec::fmadd(a, Vec::loadu(x[t] + d + i * kLanes), acc[i]);
+    }
+    for (int i = 0; i < 8; ++i) acc[i].store(y + d + i * kLanes);
+  }
+  for (; d + kLanes <= d_total; d += kLanes) {
+    Vec acc = Vec::loadu(y + d);
+    for (int64_t t = 0; t < n; ++t) acc = at::vec::fmadd(Vec(p[t]), Vec::loadu(x[t] + d), acc);
+    acc.store(y + d);
+  }
+  for (; d < d_total; ++d)
+    for (int64_t t = 0; t < n; ++t) y[d] += p[t] * x[t][d];
+}
+
+inline void rescale(float a, float* y, int64_t n) {  // y *= a
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) (Vec::loadu(y + d) * Vec(a)).store(y + d);
+  for (; d < n; ++d) y[d] *= a;
+}
+
+inline float max_of(const float* p, int64_t n) {
+  Vec maxima(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) maxima = at::vec::maximum(maxima, Vec::loadu(p + t));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, maxima);
+  for (; t < n; ++t) m = std::fmax(m, p[t]);
+  return m;
+}
+
+// p[t] = exp(p[t] - m) for t < n; returns their sum. A masked score (-inf) becomes exactly 0.
+inline float exp_and_sum(float* p, float m, int64_t n) {
+  Vec sums(0.f);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const Vec e = (Vec::loadu(p + t) - Vec(m)).exp();
+    e.store(p + t);
+    sums = sums + e;
+  }
+  float sum = sum_lanes(sums);
+  for (; t < n; ++t) sum += p[t] = std::exp(p[t] - m);
+  return sum;
+}
+
+// A thread's working memory, reused by every tile it runs.
+struct Scratch {
+  std::vector<float> q, acc, m, l, p, k_rows, v_rows;
+  std::vector<const float*> k, v;  // the block's K and V rows
+};
+
+template <typename T>
+struct PagedAttention {
+  const T* query;
+  int64_t q_stride_token, q_stride_head;
+  const T* key_cache;
+  const T* value_cache;
+  int64_t stride_block, stride_slot, stride_head;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  T* out;  // contiguous [num_tokens, num_heads, head_dim]
+  int64_t num_heads, block_size, group, head_dim;
+  float scale;
+
+  void run(const Tile& tile, Scratch& s) const {
+    const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size, kv_stride = bs + 3;
+    const int64_t rows = tile.num_tokens * G;                       // row r: token r / G, query head r % G
+    const int64_t last_pos = tile.first_pos + tile.num_tokens - 1;   // the last key any row of the tile sees
+    s.q.resize(rows * D);
+    s.acc.assign(rows * D, 0.f);
+    s.m.assign(rows, -std::numeric_limits<float>::infinity());     // running maximum of each row's scores
+    s.l.assign(rows, 0.f);                                          // running sum of exp(score - m)
+    const int64_t p_stride = (bs + 3) / 4 * 4;                      // room for the last group of four keys
+    s.p.resize(rows * p_stride);                                    // one block's scores, then weights
+    s.k_rows.resize(tile.num_kv_heads * bs * D);
+    s.v_rows.resize(tile.num_kv_heads * bs * D);
+    s.k.resize(tile.num_kv_heads * kv_stride);
+    s.v.resize(tile.num_kv_heads * kv_stride);
+    const float** k = s.k.data();
+    const float** v = s.v.data();
+    for (int64_t r = 0; r < rows; ++r) {                            // the scale is folded into the queries
+      const T* q = query + (tile.token + r / G) * q_stride_token + (tile.kv_head * group + r % G) * q_stride_head;
+      for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = static_cast<float>(q[d]) * scale;
+    }
+    const int32_t* table = block_tables + tile.seq * table_stride;
+    for (int64_t j = 0; j <= last_pos / bs; ++j) {
+      const int64_t physical = table[j];                            // the indirection: one int32 per block
+      const int64_t start = j * bs;
+      const int64_t n = std::min(bs, last_pos + 1 - start);        // the last block may be partly filled
+      if (j < last_pos / bs) {                                      // block j + 1 travels while j is computed
+        const int64_t next = table[j + 1] * stride_block + tile.kv_head * stride_head;
+        prefetch_rows(key_cache + next, bs, stride_slot, tile.num_kv_heads * D);
+        prefetch_rows(value_cache + next, bs, stride_slot, tile.num_kv_heads * D);
+      }
+      for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
+        const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+        const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+        const float** k_h = k + h * kv_stride;
+        for (int64_t t = 0; t < n; ++t) {                           // K and V rows, read where they lie
+          k_h[t] = as_float(k_block + t * stride_slot, s.k_rows.data() + (h * bs + t) * D, D);
+          v[h * kv_stride + t] = as_float(v_block + t * stride_slot, s.v_rows.data() + (h * bs + t) * D, D);
+        }
+        for (int64_t t = n; t < n + 3; ++t) k_h[t] = k_h[0];        // pads the last group of four keys
+      }
+      // scores = q . k for every row and key of the block, four keys at a time
+      for (int64_t t = 0; t < n; t += 4)
+        for (int64_t r = 0; r < rows; ++r)
+          dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t);
+      for (int64_t r = 0; r < rows; ++r) {
+        // keys after the row's own position are masked (only in a prefill tile's last blocks)
+        const int64_t visible = std::clamp<int64_t>(tile.first_pos + r / G - start + 1, 0, n);
+        float* p = s.p.data() + r * p_stride;
+        std::fill(p + visible, p + n, -std::numeric_limits<float>::infinity());
+        // online softmax: raise the row's maximum, rescale what was summed under the old one
+        const float m_new = std::fmax(s.m[r], max_of(p, n));       // finite: every row sees key 0 in block 0
+        const float alpha = std::exp(s.m[r] - m_new);              // 0 at the first block, 1 if m did not rise
+        s.l[r] = s.l[r] * alpha + exp_and_sum(p, m_new, n);
+        float* acc = s.acc.data() + r * D;
+        if (alpha != 1.f) rescale(alpha, acc, D);
+        s.m[r] = m_new;
+        weighted_sum(p, v + (r % G) / group * kv_stride, visible, acc, D);  // acc += p @ V
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* o = out + (tile.token + r / G) * num_heads * D + (tile.kv_head * group + r % G) * D;
+      const float inv_l = 1.f / s.l[r];
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(s.acc[r * D + d] * inv_l);
+    }
+  }
+};
+
+// Run every tile on torch's thread pool: longest first, each thread taking the next tile as it finishes one.
+template <typename T>
+void run_tiles(const PagedAttention<T>& attention, std::vector<Tile>& tiles) {
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  int64_t work = 0;
+  for (const Tile& tile : tiles) work += tile.cost;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / kWorkPerThread));
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (size_t i = next++; i < tiles.size(); i = next++) attention.run(tiles[i], scratch);
+  });
+}
+
+void check_pool(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
+  TORCH_CHECK_VALUE(query.dim() == 3 && key_cache.dim() == 4, "query must be 3-D and key_cache 4-D");
+  TORCH_CHECK_VALUE(value_cache.sizes() == key_cache.sizes() && value_cache.strides() == key_cache.strides(),
+                    "value_cache must have key_cache's shape and strides");
+  TORCH_CHECK_VALUE(query.scalar_type() == key_cache.scalar_type() &&
+                        value_cache.scalar_type() == key_cache.scalar_type(),
+                    "query, key_cache and value_cache must have one dtype");
+  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), "query and key_cache must have one head_dim");
+  TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && key_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK_VALUE(key_cache.size(1) > 0, "block_size must be positive");
+}
+
+// Every sequence's context fits its table, and every table entry it uses names a block of the pool.
+void check_tables(const Tensor& block_tables, const Tensor& context_lens, int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                        (block_tables.size(1) <= 1 || block_tables.stride(1) == 1),
+                    "block_tables must be int32 [num_seqs, max_blocks_per_seq] with contiguous rows");
+  TORCH_CHECK_VALUE(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 &&
+                        context_lens.size(0) == block_tables.size(0),
+                    "context_lens must be int32 [num_seqs]");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < context_lens.size(0); ++seq) {
+    TORCH_CHECK_VALUE(lens[seq] >= 0 && lens[seq] <= block_tables.size(1) * block_size, "context_lens[", seq,
+                      "] = ", lens[seq], " does not fit its block table");
+    for (int64_t j = 0; j < (lens[seq] + block_size - 1) / block_size; ++j) {
+      const int32_t block = tables[seq * block_tables.stride(0) + j];
+      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", j, "] = ", block,
+                        " is outside the pool [0, ", num_blocks, ")");
+    }
+  }
+}
+
+template <typename T>
+PagedAttention<T> describe(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                           const Tensor& block_tables, const Tensor& out, double scale) {
+  return PagedAttention<T>{query.data_ptr<T>(),        query.stride(0),         query.stride(1),
+                           key_cache.data_ptr<T>(),    value_cache.data_ptr<T>(), key_cache.stride(0),
+                           key_cache.stride(1),        key_cache.stride(2),     block_tables.data_ptr<int32_t>(),
+                           block_tables.stride(0),     out.data_ptr<T>(),       query.size(1),
+                           key_cache.size(1),          query.size(1) / key_cache.size(2),
+                           query.size(2),              static_cast<float>(scale)};
+}
+
+// One new token per sequence (the last of its context) attends to the whole context.
+Tensor decode(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+              const Tensor& context_lens_in, double scale) {
+  check_pool(query, key_cache, value_cache);
+  const Tensor context_lens = context_lens_in.contiguous();
+  check_tables(block_tables, context_lens, key_cache.size(0), key_cache.size(1));
+  TORCH_CHECK_VALUE(query.size(0) == context_lens.size(0), "query must have one row per sequence");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t num_kv_heads = key_cache.size(2), group = query.size(1) / num_kv_heads;
+  std::vector<Tile> tiles;
+  // A tile per (sequence, KV head), as the Triton kernel's grid; with sequences enough to share among the threads,
+  // a tile per sequence, which reads each block front to back (all its heads) instead of in strided slices.
+  const int64_t kv_per_tile = query.size(0) >= kSeqsPerThread * at::get_num_threads() ? num_kv_heads : 1;
+  for (int64_t seq = 0; seq < query.size(0); ++seq) {
+    TORCH_CHECK_VALUE(lens[seq] >= 1, "context_lens must be >= 1 at decode");
+    for (int64_t h = 0; h < num_kv_heads; h += kv_per_tile)
+      tiles.push_back({seq, h, kv_per_tile, seq, 1, lens[seq] - 1, kv_per_tile * group * lens[seq]});
+  }
+  Tensor out = at::empty(query.sizes(), query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_cpu", [&] {
+    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale), tiles);
+  });
+  return out;
+}
+
+// A chunk of new tokens per sequence (the last query_len of its context) attends causally to the context.
+Tensor prefill(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+               const Tensor& query_start_loc_in, const Tensor& context_lens_in, double scale) {
+  check_pool(query, key_cache, value_cache);
+  const Tensor context_lens = context_lens_in.contiguous(), query_start_loc = query_start_loc_in.contiguous();
+  check_tables(block_tables, context_lens, key_cache.size(0), key_cache.size(1));
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK_VALUE(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
+                        query_start_loc.size(0) == num_seqs + 1,
+                    "query_start_loc must be int32 [num_seqs + 1]");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(starts[0] == 0 && starts[num_seqs] == query.size(0),
+                    "query_start_loc must rise from 0 to num_tokens");
+  const int64_t num_kv_heads = key_cache.size(2), group = query.size(1) / num_kv_heads;
+  std::vector<Tile> tiles;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t query_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK_VALUE(query_len >= 0 && query_len <= lens[seq],
+                      "query_start_loc must not fall, and context_lens must count the new tokens");
+    for (int64_t begin = 0; begin < query_len; begin += kQueryTile) {
+      const int64_t num_tokens = std::min(kQueryTile, query_len - begin);
+      const int64_t first_pos = lens[seq] - query_len + begin;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        tiles.push_back({seq, h, 1, starts[seq] + begin, num_tokens, first_pos,
+                         num_tokens * group * (first_pos + num_tokens)});
+    }
+  }
+  Tensor out = at::empty(query.sizes(), query.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_prefill_cpu", [&] {
+    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale), tiles);
+  });
+  return out;
+}
+
+// Write one step's K and V rows into the pool at their slots.
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping_in) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                        value_cache.strides() == key_cache.strides(),
+                    "key_cache and value_cache must be 4-D with one shape and strides");
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == key_cache.size(2) &&
+                        key.size(2) == key_cache.size(3),
+                    "key and value must be [num_tokens, num_kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                        value_cache.scalar_type() == key_cache.scalar_type(),
+                    "key, value and the caches must have one dtype");
+  TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1,
+                    "head_dim must be contiguous");
+  const Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == key.size(0), "slot_mapping must be [num_tokens]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t block_size = key_cache.size(1), num_slots = key_cache.size(0) * block_size;
+  for (int64_t i = 0; i < slots.size(0); ++i)
+    TORCH_CHECK_VALUE(slot[i] >= -1 && slot[i] < num_slots, "slot_mapping[", i, "] = ", slot[i],
+                      " is outside [-1, ", num_slots, ")");
+  const int64_t num_kv_heads = key.size(1), D = key.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key.scalar_type(), "reshape_and_cache_cpu", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    scalar_t* kc = key_cache.data_ptr<scalar_t>();
+    scalar_t* vc = value_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, slots.size(0), 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (slot[i] < 0) continue;
+        const int64_t at_slot = slot[i] / block_size * key_cache.stride(0) + slot[i] % block_size * key_cache.stride(1);
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          std::copy_n(k + i * key.stride(0) + h * key.stride(1), D, kc + at_slot + h * key_cache.stride(2));
+          std::copy_n(v + i * value.stride(0) + h * value.stride(1), D, vc + at_slot + h * key_cache.stride(2));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(paged_cpu, m) {
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.def("prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(paged_cpu, CPU, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("decode", &decode);
+  m.impl("prefill", &prefill);
+}

@@ -1,0 +1,209 @@
+"""The C++ CPU kernel (kernels/cpu.py) against the torch reference in paged.attention (guide §7).
+
+Random shapes: block sizes 8-128, GQA 1:1 to 8:1, head_dim 64 and 128, ragged contexts with partly filled last
+blocks, and prefill chunks of every kind (a whole prompt, a chunk after cached tokens, a prefix-cache hit, one
+token, none). Bad input raises the same ValueErrors as the Triton wrappers. The first test builds the kernel if
+no cached build exists (a minute on two cores).
+"""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from kernels import cpu
+from paged import attention as ref
+from paged.model import apply_rope, attention_backend, silu_and_mul
+from test_kernels import bad_decode_inputs, decode_call, paged_pool, random_query
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+SHAPES = [(block_size, group, num_kv_heads, head_dim)
+          for block_size in (8, 16, 32, 64, 128) for group, num_kv_heads in ((1, 2), (3, 3), (4, 1), (8, 2))
+          for head_dim in (64, 128)][::3]  # a spread of the combinations; every value of each appears
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if cpu.load() is None:
+        pytest.fail("the CPU kernel did not build on this machine (see the warning)")
+
+
+def assert_close(out, expected, dtype):
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def random_chunks(rng, block_size, count=6):
+    """(cached tokens, new tokens) per sequence: prompts whole and chunked, prefix hits on whole blocks,
+    chunks that start and end mid-block, one token, and an empty chunk."""
+    chunks = [(0, rng.randint(1, 3 * block_size)), (rng.randint(1, 2 * block_size), rng.randint(1, 40)),
+              (block_size * rng.randint(1, 3), rng.randint(1, block_size)), (rng.randint(1, 200), 1),
+              (rng.randint(0, 50), 0)]
+    return chunks + [(rng.randint(0, 100), rng.randint(1, 60)) for _ in range(count - len(chunks))]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_decode_matches_the_reference(shape):
+    block_size, group, num_kv_heads, head_dim = shape
+    rng = random.Random(str(shape))
+    lens = [1, block_size - 1, block_size, block_size + 1] + [rng.randint(1, 300) for _ in range(4)]
+    key_cache, value_cache, tables, lens = paged_pool(lens, block_size, num_kv_heads, head_dim, torch.float32,
+                                                      seed=rng.randint(0, 99))
+    query = random_query(len(lens), group * num_kv_heads, head_dim, torch.float32, seed=1)
+    args = query, key_cache, value_cache, tables, lens, head_dim ** -0.5
+    assert_close(cpu.paged_decode_attention(*args), ref.decode_attention(*args), torch.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_prefill_matches_the_reference(shape):
+    block_size, group, num_kv_heads, head_dim = shape
+    rng = random.Random(str(shape))
+    chunks = random_chunks(rng, block_size)
+    key_cache, value_cache, tables, lens = paged_pool([c + n for c, n in chunks], block_size, num_kv_heads,
+                                                      head_dim, torch.float32, seed=rng.randint(0, 99))
+    query_lens = torch.tensor([n for _, n in chunks])
+    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32)
+    query = random_query(int(query_lens.sum()), group * num_kv_heads, head_dim, torch.float32, seed=2)
+    args = query, key_cache, value_cache, tables, query_start_loc, lens, head_dim ** -0.5
+    assert_close(cpu.paged_prefill_attention(*args), ref.prefill_attention(*args), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_pools(dtype):
+    chunks = random_chunks(random.Random(0), 16)
+    key_cache, value_cache, tables, lens = paged_pool([c + n for c, n in chunks], 16, 3, 64, dtype, seed=3)
+    query_lens = torch.tensor([n for _, n in chunks])
+    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32)
+    query = random_query(int(query_lens.sum()), 9, 64, dtype, seed=3)
+    args = query, key_cache, value_cache, tables, query_start_loc, lens, 0.125
+    assert_close(cpu.paged_prefill_attention(*args), ref.prefill_attention(*args), dtype)
+
+
+def test_reads_nothing_outside_the_context():
+    """Every pool slot no sequence's context covers (free blocks, the unused tail of a last block) holds NaN:
+    a kernel that read one, even to mask it, would return NaN."""
+    key_cache, value_cache, tables, lens = paged_pool([5, 16, 37], 16, 2, 64, torch.float32, seed=4)
+    query = random_query(3, 4, 64, torch.float32, seed=4)
+    expected = ref.decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    in_context = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for seq, n in enumerate(lens.tolist()):
+        for pos in range(n):
+            in_context[tables[seq, pos // 16], pos % 16] = True
+    key_cache[~in_context], value_cache[~in_context] = float("nan"), float("nan")
+    out = cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    assert_close(out, expected, torch.float32)
+
+
+def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():
+    """A query sliced from a fused qkv tensor works. A batch of many sequences runs a tile per sequence, a lone
+    sequence a tile per KV head, on one thread or two: every row's arithmetic is the same, and so are the bits."""
+    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32,
+                                                      seed=5)
+    qkv = random_query(8, 15, 64, torch.float32, seed=5)
+    query = qkv[:, :9]
+    assert not query.is_contiguous()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            outs.append(cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125))
+            outs.append(torch.cat([cpu.paged_decode_attention(query[s:s + 1], key_cache, value_cache,
+                                                              tables[s:s + 1], lens[s:s + 1], 0.125)
+                                   for s in range(8)]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    expected = ref.decode_attention(query.contiguous(), key_cache, value_cache, tables, lens, 0.125)
+    assert_close(outs[0], expected, torch.float32)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_cache_write_matches_write_kv(slot_dtype):
+    key_cache, value_cache, _, _ = paged_pool([40], 16, 3, 64, torch.float32, seed=6)
+    slots = torch.randperm(key_cache.shape[0] * 16, generator=torch.Generator().manual_seed(6))[:12].to(slot_dtype)
+    slots[[2, 7]] = -1                                                   # skipped tokens
+    key, value = random_query(12, 3, 64, torch.float64, seed=7), random_query(12, 3, 64, torch.float64, seed=8)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    ref.write_kv(key, value, expected_k, expected_v, slots)
+    cpu.reshape_and_cache(key, value, key_cache, value_cache, slots)     # float64 rows are cast to the pool's fp32
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_fused_layer_ops_give_the_torch_bits(num_tokens):
+    """RoPE in place on a strided slice of a fused qkv tensor, and SiLU-and-multiply: the same floats as
+    paged.model's torch code, to the last bit (so the engine's tokens cannot drift from the oracle here)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = 3 * torch.randn(num_tokens, 15 * 64, generator=gen)
+    cos, sin = torch.randn(num_tokens, 64, generator=gen), torch.randn(num_tokens, 64, generator=gen)
+    qk = qkv[:, :12 * 64].view(num_tokens, 12, 64)                      # 9 query and 3 key heads, strided rows
+    expected = apply_rope(qk, cos, sin)
+    assert cpu.load().rotary(qk, cos, sin) is qk and torch.equal(qk, expected)
+    gate_up = 4 * torch.randn(num_tokens, 2 * 96, generator=gen)
+    assert torch.equal(cpu.load().silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
+
+
+# --- bad input: the Triton wrappers' messages ---------------------------------------------------------------
+
+CPU_CASES = [(change, message) for change, message in bad_decode_inputs()
+             if not {"version", "num_splits"} & change.keys()]          # options of the Triton kernels only
+
+
+@pytest.mark.parametrize("change, message", CPU_CASES, ids=lambda x: str(x)[:40])
+def test_decode_rejects_bad_input_as_triton_does(change, message):
+    call = decode_call(**change)
+    with pytest.raises(ValueError, match=message):
+        call()                                                          # the Triton wrapper
+    with pytest.raises(ValueError, match=message):
+        cpu.paged_decode_attention(**call.keywords)
+
+
+def test_prefill_and_cache_write_reject_bad_input():
+    kc, vc, bt, lens = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
+    q = random_query(6, 4, 64, torch.float32, seed=0)
+    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
+    call = lambda **c: cpu.paged_prefill_attention(  # noqa: E731
+        **{**dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, query_start_loc=qsl,
+                  context_lens=lens, scale=0.125), **c})
+    with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 3\]"):
+        call(query_start_loc=qsl[:2])
+    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to num_tokens = 6"):
+        call(query_start_loc=torch.tensor([0, 7, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"context_lens\[0\] = 2 is shorter than its query length 3"):
+        call(context_lens=torch.tensor([2, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = 33 is longer than its block table"):
+        call(context_lens=torch.tensor([5, 33], dtype=torch.int32))
+    key = random_query(3, 2, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=r"slot_mapping values must be -1 \(skip\) or in \[0, 64\)"):
+        cpu.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 64, 2]))
+
+
+def test_the_ops_themselves_keep_to_the_pool():
+    """The engine calls the ops without the Python checks; a stray block id still raises, it is never read."""
+    query, key_cache, value_cache, tables, lens, scale = decode_call().keywords.values()
+    stray = tables.clone()
+    stray[1, 0] = key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 18 is outside the pool"):
+        cpu.load().decode(query, key_cache, value_cache, stray, lens, scale)
+
+
+# --- the engine's switch -------------------------------------------------------------------------------------
+
+def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu, "_ops", None)
+    monkeypatch.setattr(cpu, "_failure", None)
+    monkeypatch.setattr(cpu, "library_name", lambda: "paged_cpu_attention_never_built")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found .*falls back to the torch reference"):
+        assert attention_backend("cpu").name == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                  # the second time: no warning at all
+        assert attention_backend("cpu").name == "torch"
+
+
+def test_the_cpu_backend_is_the_default_on_a_cpu(tiny_model):
+    from helpers import make_tiny_llm
+    assert make_tiny_llm(tiny_model).engine.model.backend.name == "cpu"
+    assert make_tiny_llm(tiny_model, attention_backend="torch").engine.model.backend.name == "torch"
