@@ -30,18 +30,20 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor       # int32 [num_prefills]
 
 
-def attention_backend(name: str) -> SimpleNamespace:
+def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
     provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
-    reads K/V in place in the pool. Two small per-layer ops come along (rope, silu_and_mul): in torch, or fused
-    by the C++ library, with the same bits. Where the C++ library cannot be built, "cpu" falls back to the torch
-    reference after one warning."""
+    reads K/V in place in the pool. Two small per-layer ops come along (rope, silu_and_mul): in torch, or, for
+    fp32 on the CPU, fused by the C++ library, with the same bits. Where the C++ library cannot be built, "cpu"
+    falls back to the torch reference after one warning."""
     if name == "cpu":
         from kernels import cpu
         ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
         if ops is not None:  # the ops themselves, without the Python checks: the engine's tables are valid
+            fused = dtype == torch.float32                       # the fused layer ops are written for fp32
             return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=ops.decode,
-                                   prefill=ops.prefill, rope=ops.rotary, silu_and_mul=ops.silu_and_mul)
+                                   prefill=ops.prefill, rope=ops.rotary if fused else apply_rope,
+                                   silu_and_mul=ops.silu_and_mul if fused else silu_and_mul)
         name = "torch"
     if name == "torch":
         return SimpleNamespace(name="torch", write_kv=torch_attention.write_kv,
@@ -109,7 +111,7 @@ class PagedLlama:
         if backend == "cpu" and self.device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
                              f"use 'triton' or 'torch' there")
-        self.backend = attention_backend(backend)
+        self.backend = attention_backend(backend, self.dtype)
         body = hf_model.model
         self.embed_tokens = body.embed_tokens.weight.detach()    # [vocab, hidden]
         self.final_norm = body.norm.weight.detach()              # [hidden]

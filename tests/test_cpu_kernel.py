@@ -12,7 +12,9 @@ import warnings
 import pytest
 import torch
 
+from helpers import make_tiny_llm, random_prompts, tiny_llama
 from kernels import cpu
+from paged import LLM, SamplingParams
 from paged import attention as ref
 from paged.model import apply_rope, attention_backend, silu_and_mul
 from test_kernels import bad_decode_inputs, decode_call, paged_pool, random_query
@@ -204,6 +206,13 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeyp
 
 
 def test_the_cpu_backend_is_the_default_on_a_cpu(tiny_model):
-    from helpers import make_tiny_llm
     assert make_tiny_llm(tiny_model).engine.model.backend.name == "cpu"
     assert make_tiny_llm(tiny_model, attention_backend="torch").engine.model.backend.name == "torch"
+
+
+def test_a_bfloat16_engine_runs_on_the_cpu_kernel():
+    """The kernel reads bf16 pools; the fused layer ops are fp32 only, so a bf16 model keeps torch's there."""
+    llm = LLM(model=tiny_llama(), device="cpu", dtype=torch.bfloat16, num_blocks=32, block_size=8)
+    assert llm.engine.model.backend.name == "cpu"
+    outs = llm.generate(random_prompts(3, seed=9), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
