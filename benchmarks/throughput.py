@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                       # both workloads, batch 1, latency; fp32 (half an hour)
     python benchmarks/throughput.py --workloads fixed --num-prompts 16 --max-tokens 32 --skip-static   # a quick look
+    python benchmarks/throughput.py --threads 1           # on a machine other processes share
 
 Same prompts, same output lengths (EOS ignored everywhere), same weights and dtype. Two workloads:
   fixed    64 chat prompts, 128 new tokens each, all admitted at once
@@ -219,7 +220,12 @@ def main():
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--skip-batch-one", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every engine (default: torch's); 1 keeps a shared machine's other "
+                             "processes from stalling every parallel op at its barrier")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer = load_hf_model()
     print(f"fp32, {torch.get_num_threads()} threads")
