@@ -50,7 +50,7 @@ def timed(fn):
 
 
 def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
-    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.traces) scaled so the longest possible is cap."""
+    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.traces), scaled so that 1,024 becomes cap."""
     trace = sharegpt_trace(count, seed=seed)
     high = 2048 - 2048 // 2                                 # the trace's output clip, max_model_len - max_input_len
     return [max(1, round(r.output_len * cap / high)) for r in trace]
