@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                       # both workloads, batch 1, latency; fp32 (half an hour)
     python benchmarks/throughput.py --workloads fixed --num-prompts 16 --max-tokens 32 --skip-static   # a quick look
+    python benchmarks/throughput.py --threads 1           # on a machine other processes share
 
 Same prompts, same output lengths (EOS ignored everywhere), same weights and dtype. Two workloads:
   fixed    64 chat prompts, 128 new tokens each, all admitted at once
@@ -49,7 +50,7 @@ def timed(fn):
 
 
 def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
-    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.traces) scaled so the longest possible is cap."""
+    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.traces), scaled so that 1,024 becomes cap."""
     trace = sharegpt_trace(count, seed=seed)
     high = 2048 - 2048 // 2                                 # the trace's output clip, max_model_len - max_input_len
     return [max(1, round(r.output_len * cap / high)) for r in trace]
@@ -219,7 +220,12 @@ def main():
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--skip-batch-one", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every engine (default: torch's); 1 keeps a shared machine's other "
+                             "processes from stalling every parallel op at its barrier")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tokenizer = load_hf_model()
     print(f"fp32, {torch.get_num_threads()} threads")

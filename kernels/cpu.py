@@ -78,9 +78,8 @@ def load():
             print(f"Built and cached in {build_dir}", file=sys.stderr, flush=True)
     except Exception as error:  # no compiler, no ninja, a failed build: say so once and let the caller fall back
         _failure = _reason(error)
-        warnings.warn(f"the CPU paged-attention kernel could not be built ({_failure}); "
-                      f"attention falls back to the torch reference (paged.attention), which is slower",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"the CPU paged-attention kernel could not be built ({_failure}); the engine attends with "
+                      f"the torch reference (paged.attention) instead, which is slower", RuntimeWarning, stacklevel=2)
         return None
     _ops = torch.ops.paged_cpu
     return _ops

@@ -198,7 +198,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeyp
     monkeypatch.setattr(cpu, "_failure", None)
     monkeypatch.setattr(cpu, "library_name", lambda: "paged_cpu_attention_never_built")
     monkeypatch.setenv("CXX", "no-such-compiler")
-    with pytest.warns(RuntimeWarning, match="no C.. compiler found .*falls back to the torch reference"):
+    with pytest.warns(RuntimeWarning, match="no C.. compiler found .*the engine attends with the torch reference"):
         assert attention_backend("cpu").name == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                  # the second time: no warning at all
