@@ -16,7 +16,10 @@ For each: tokens/s, mean request latency, acceptance per draft position, and the
 with t_decode the time of a plain decode step at this batch size, t_verify the target step that scores k + 1
 tokens per sequence and t_draft the proposer's time, all measured here. A verify is nearly free while decoding
 is bound by reading weights (small batches) and costs k + 1 decodes once it is bound by compute (large
-batches): that is where speculation stops paying. The machines are shared: only ratios in one run count.
+batches): that is where speculation stops paying. The last table times single forward passes (a decode step and
+a verify step, `paged.speculative.measure_step`) at batch sizes up to --cost-batches' largest, and says for each
+measured acceptance rate the first batch size at which speculation stops paying, beside what the fitted step
+cost of paged.metrics predicts (`crossover_batch`). The machines are shared: only ratios in one run count.
 """
 
 import argparse
@@ -26,7 +29,8 @@ import torch
 
 from paged import LLM, SamplingParams
 from paged.models import chat_prompt, load_hf_model
-from paged.speculative import expected_tokens
+from paged.metrics import SMOLLM2_CPU
+from paged.speculative import crossover_batch, expected_tokens, measure_step, verify_speedup
 
 PASSAGE = ("The lighthouse stood on a narrow spit of rock at the edge of the bay. Every night its keeper climbed "
            "the one hundred and twelve steps to the lamp room, trimmed the wick, polished the great lens and "
@@ -89,6 +93,30 @@ def run(model, tokenizer, prompts, method: str, k: int, max_tokens: int) -> dict
             "drafts": stats["num_drafts"]}
 
 
+def cost_model(model, tokenizer, batch_sizes: list[int], k: int, context: int, acceptances: dict[str, float]):
+    """Decode and verify steps timed alone; the measured and the modelled batch size where speculation stops paying."""
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=16, device="cpu", dtype=torch.float32,
+              num_blocks=max(batch_sizes) * -(-(context + k + 1) // 16))
+    measure_step(llm.engine, 1, 1, context, repeats=1)  # warm up
+    print(f"\n== cost model: one forward pass at context {context}, k = {k}; speedup = E(a, k) * t_decode / t_verify")
+    print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'verify/decode':>15}{'fitted':>8}   "
+          + "".join(f"{name:>22}" for name in acceptances))
+    measured = {}
+    for batch in batch_sizes:
+        decode, verify = measure_step(llm.engine, batch, 1, context), measure_step(llm.engine, batch, k + 1, context)
+        fitted = (k + 1) / verify_speedup(SMOLLM2_CPU, batch, k, 1.0, context)  # modelled verify / decode
+        line = f"{batch:>6}{decode * 1e3:11.1f}{verify * 1e3:11.1f}{verify / decode:15.2f}{fitted:8.2f}   "
+        for name, a in acceptances.items():
+            measured.setdefault(name, []).append((batch, expected_tokens(a, k) * decode / verify))
+            line += f"{measured[name][-1][1]:22.2f}"
+        print(line)
+    for name, a in acceptances.items():
+        stops = next((batch for batch, speedup in measured[name] if speedup < 1), None)
+        modelled = crossover_batch(SMOLLM2_CPU, k, a, context)
+        print(f"{name} (a = {a:.2f}): stops paying at batch {stops or f'> {max(batch_sizes)}'} measured, "
+              f"{modelled or '> 4096'} by the fitted step cost")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,4,16,64")
@@ -96,12 +124,15 @@ def main():
     parser.add_argument("--methods", default="none,ngram,early-exit:8,early-exit:15,self")
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--cost-batches", default="1,4,16,64,128", help="batch sizes of the cost-model table")
+    parser.add_argument("--context", type=int, default=200, help="context of the cost-model table's sequences")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; on a shared 2-core CPU two threads make small steps 5x slower")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_hf_model()
     print(f"guide's arithmetic: a = 0.75, k = 5 gives E = {expected_tokens(0.75, 5):.2f} tokens per verify, not 4")
+    acceptances = {}  # "method, workload" -> acceptance at each batch size
     for workload in args.workloads.split(","):
         for batch in map(int, args.batch_sizes.split(",")):
             prompts = prompts_for(tokenizer, workload, batch)
@@ -111,6 +142,8 @@ def main():
             base = None
             for method in args.methods.split(","):
                 r = run(model, tokenizer, prompts, method, args.k, args.max_tokens)
+                if method != "none":
+                    acceptances.setdefault(f"{method}, {workload}", []).append(r["acceptance"])
                 if base is None:
                     base = r
                 assert r["tokens"] == base["tokens"], f"{method} changed the greedy tokens"
@@ -127,6 +160,9 @@ def main():
                 per_pos = " ".join(f"{p:.2f}" for p in r["per_pos"])
                 print(f"{line}{r['acceptance']:8.2f}{e_measured:8.2f}{c:7.2f}{predicted:9.2f}   {per_pos}"
                       f"   (verify {t_verify / t_decode:.2f}x a decode)")
+
+    cost_model(model, tokenizer, [int(b) for b in args.cost_batches.split(",")], args.k, args.context,
+               {name: sum(values) / len(values) for name, values in acceptances.items()})
 
 
 if __name__ == "__main__":

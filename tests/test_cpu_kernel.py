@@ -17,7 +17,7 @@ from kernels import cpu
 from paged import LLM, SamplingParams
 from paged import attention as ref
 from paged.model import apply_rope, attention_backend, silu_and_mul
-from test_kernels import bad_decode_inputs, decode_call, paged_pool, random_query
+from test_kernels import assert_prefill_rejects_bad_input, bad_decode_inputs, decode_call, paged_pool, random_query
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 SHAPES = [(block_size, group, num_kv_heads, head_dim)
@@ -163,20 +163,8 @@ def test_decode_rejects_bad_input_as_triton_does(change, message):
 
 
 def test_prefill_and_cache_write_reject_bad_input():
-    kc, vc, bt, lens = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
-    q = random_query(6, 4, 64, torch.float32, seed=0)
-    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
-    call = lambda **c: cpu.paged_prefill_attention(  # noqa: E731
-        **{**dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, query_start_loc=qsl,
-                  context_lens=lens, scale=0.125), **c})
-    with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 3\]"):
-        call(query_start_loc=qsl[:2])
-    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to num_tokens = 6"):
-        call(query_start_loc=torch.tensor([0, 7, 6], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"context_lens\[0\] = 2 is shorter than its query length 3"):
-        call(context_lens=torch.tensor([2, 9], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"context_lens\[1\] = 33 is longer than its block table"):
-        call(context_lens=torch.tensor([5, 33], dtype=torch.int32))
+    assert_prefill_rejects_bad_input(cpu.paged_prefill_attention)
+    kc, vc, _, _ = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
     key = random_query(3, 2, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"slot_mapping values must be -1 \(skip\) or in \[0, 64\)"):
         cpu.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 64, 2]))

@@ -218,10 +218,15 @@ def test_bfloat16_is_refused_in_the_interpreter():
 
 
 def test_prefill_rejects_bad_input():
+    assert_prefill_rejects_bad_input(kernels.paged_prefill_attention)
+
+
+def assert_prefill_rejects_bad_input(prefill) -> None:
+    """prefill (the Triton wrapper or the C++ one) names each bad argument and its limit."""
     kc, vc, bt, lens = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
     q = random_query(6, 4, 64, torch.float32, seed=0)
     qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
-    call = lambda **c: kernels.paged_prefill_attention(  # noqa: E731
+    call = lambda **c: prefill(  # noqa: E731
         **{**dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, query_start_loc=qsl,
                   context_lens=lens, scale=0.125), **c})
     with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 3\]"):

@@ -34,6 +34,21 @@ class FailOnForward:
             raise self.error("interrupted")
 
 
+def run_through_interrupts(engine, request_ids: list[str], interrupt_at: tuple[int, ...]) -> list[list[int]]:
+    """Step the engine to the end while each of interrupt_at in turn interrupts the at-th forward pass from then;
+    returns the requests' first completions, in the order of request_ids."""
+    outputs = {}
+    for at in interrupt_at:
+        engine.forward_observers[:] = [FailOnForward(at)]
+        with pytest.raises(Interrupt):
+            for _ in range(100):
+                outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    engine.forward_observers.clear()
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    return [outputs[i] for i in request_ids]
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(6, seed=11, low=20, high=40)
@@ -122,16 +137,8 @@ def test_the_engine_recomputes_what_an_interrupted_step_scheduled(tiny_model, pr
                         max_num_batched_tokens=24, max_num_seqs=4)
     engine = llm.engine
     ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in prompts]
-    outputs = {}
-    for at in (1, 3, 2, 5):  # fail in the middle of prefills and of decodes
-        engine.forward_observers[:] = [FailOnForward(at)]
-        with pytest.raises(Interrupt):
-            for _ in range(100):
-                outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    engine.forward_observers.clear()
-    while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    assert [outputs[i] for i in ids] == expected
+    # fail in the middle of prefills and of decodes
+    assert run_through_interrupts(engine, ids, interrupt_at=(1, 3, 2, 5)) == expected
     assert_pool_empty(llm)
 
 

@@ -182,22 +182,14 @@ def test_spec_stats_are_zero_without_speculation(tiny_model, prompts):
 
 
 def test_an_interrupted_verify_is_rolled_back(tiny_model, prompts, expected):
-    from test_robustness import FailOnForward, Interrupt
+    from test_robustness import run_through_interrupts
     llm = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True,
                         speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3,
                                             "draft_layers": 1})
     engine = llm.engine
     ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in prompts]
-    outputs = {}
-    for at in (2, 4, 3):  # each interrupts a step that verifies drafts
-        engine.forward_observers[:] = [FailOnForward(at)]
-        with pytest.raises(Interrupt):
-            for _ in range(100):
-                outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    engine.forward_observers.clear()
-    while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    assert [outputs[i] for i in ids] == expected
+    # each interrupts a step that verifies drafts
+    assert run_through_interrupts(engine, ids, interrupt_at=(2, 4, 3)) == expected
     assert_pool_empty(llm)
     assert_draft_pool_empty(llm)
 
@@ -223,3 +215,34 @@ def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model
     expected = plain.beam_search(prompts[:2], beam_width=3, max_tokens=8)
     assert [[s.token_ids for s in b.sequences] for b in beams] == [[s.token_ids for s in b.sequences] for b in expected]
     assert_pool_empty(llm)
+
+
+def test_the_cost_model_finds_where_speculation_stops_paying():
+    from paged.metrics import StepCost
+    from paged.speculative import crossover_batch, expected_tokens, verify_speedup
+    weights_bound = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost one
+    compute_bound = StepCost(fixed=0.0, per_token=1.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost k + 1
+    assert verify_speedup(weights_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3))
+    assert verify_speedup(compute_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3) / 4)
+    assert crossover_batch(weights_bound, 3, 0.5, context=100) is None
+    assert crossover_batch(compute_bound, 3, 0.5, context=100) == 1
+    # decode 10 + B, verify 10 + 4B: E(0.5, 3) = 1.875 stops paying past B = 8.75 / 2.125 = 4.1
+    mixed = StepCost(fixed=10.0, per_token=1.0, per_seq=0.0, per_pair=0.0)
+    assert crossover_batch(mixed, 3, 0.5, context=100) == 5
+    assert crossover_batch(mixed, 3, 0.3, context=100) < 5 and crossover_batch(mixed, 3, 1.0, context=100) is None
+    # a draft that costs as much as the target halves the gain at k = 1 when verifying is free
+    assert verify_speedup(weights_bound, 1, 1, 1.0, context=10, draft_cost=1.0) == pytest.approx(1.0)
+
+
+def test_measure_step_times_decodes_and_verifies_and_gives_the_pool_back(tiny_model):
+    from paged.speculative import measure_step
+    llm = make_tiny_llm(tiny_model, num_blocks=32)
+    assert measure_step(llm.engine, 4, 1, context=20, repeats=2) > 0
+    assert measure_step(llm.engine, 4, 4, context=20, repeats=2) > 0
+    assert_pool_empty(llm)
+    with pytest.raises(ValueError, match="batch \\(16\\).*num_blocks"):
+        measure_step(llm.engine, 16, 4, context=20)
+    assert_pool_empty(llm)
+    llm.engine.add_request(llm.engine.make_request([1, 2, 3], GREEDY))
+    with pytest.raises(ValueError, match="idle engine"):
+        measure_step(llm.engine, 1, 1, context=4)

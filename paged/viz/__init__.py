@@ -13,7 +13,7 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch06_copy_on_write             §10     forks, beam search frames, sharing savings
     ch07_continuous_batching       §11     the timeline of a replay
     ch08_chunked_prefill_goodput   §12-§13 token gaps, latency distributions, goodput
-    ch09_speculative_decoding      §14     verify steps and their blocks, speedup curves, token histograms
+    ch09_speculative_decoding      §14     verify steps and their blocks, speedup against acceptance and batch, token histograms
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -33,6 +33,6 @@ from paged.viz.ch06_copy_on_write import (beam_search_frames, fork_caption, plot
 from paged.viz.ch07_continuous_batching import (TIMELINE_STATES, schedule_caption, timeline_html, timeline_player,
                                                 timeline_states)
 from paged.viz.ch08_chunked_prefill_goodput import empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps
-from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_token_histograms, record_verifies,
-                                               verify_steps_html)
+from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_speedup_vs_batch, plot_token_histograms,
+                                               record_verifies, verify_steps_html)
 from paged.viz.common import PALETTE, html_table, player

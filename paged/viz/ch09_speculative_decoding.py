@@ -1,5 +1,6 @@
 """Pictures for chapter 09, speculative decoding (guide §14): each verify step's drafts and blocks, the speedup
-curves of the cost model with measured points on them, and token histograms with and without speculation.
+curves of the cost model with measured points on them (against acceptance, and against batch size), and token
+histograms with and without speculation.
 
 `record_verifies` steps an engine and returns plain data; the drawing functions take that data and return HTML or a
 matplotlib figure, so tests check them without a browser.
@@ -8,8 +9,9 @@ matplotlib figure, so tests check them without a browser.
 import html
 
 import matplotlib.pyplot as plt
+import numpy as np
 
-from paged.speculative import expected_tokens
+from paged.speculative import crossover_batch, expected_tokens, verify_speedup
 
 
 def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
@@ -86,6 +88,31 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
         axes[0].annotate(label, (a, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes[0].set_ylabel("tokens per target pass / cost")
     axes[0].legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512,
+                          points=()):
+    """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per acceptance rate,
+    each step priced by step_cost (paged.metrics.StepCost); where a curve crosses 1 is where speculation stops
+    paying. points: (batch, speedup, label) measured, drawn on the same axes."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    batches = np.unique(np.geomspace(1, max_batch, 64).round().astype(int)).tolist()
+    for a in acceptances:
+        stops = crossover_batch(step_cost, num_drafts, a, context, max_batch=max_batch)
+        label = f"a = {a:.2f}: " + ("never pays" if stops == 1 else f"stops at batch {stops}" if stops
+                                    else f"pays up to {max_batch}")
+        ax.plot(batches, [verify_speedup(step_cost, b, num_drafts, a, context) for b in batches], label=label)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    for batch, speedup, label in points:
+        ax.plot([batch], [speedup], "ko")
+        ax.annotate(label, (batch, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (sequences decoding together)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"k = {num_drafts}, context {context}: E(a, k) x t_decode / t_verify")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
