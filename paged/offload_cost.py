@@ -38,6 +38,16 @@ def gpu_recompute_seconds(geometry: KVGeometry, num_params: float, num_tokens: i
     return prefill_flops(geometry, num_params, num_tokens) / (flops * mfu)
 
 
+def gpu_crossover_tokens(geometry: KVGeometry, num_params: float, bandwidth: float = PCIE5_X16_BANDWIDTH,
+                         flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
+    """The context length n at which swap and recompute cost the same in the GPU model, from
+    2 n B / bandwidth = (2 P n + 2 n^2 L d) / (flops * mfu). Swap is cheaper beyond it; 0 when it is cheaper at
+    every length (the link carries a token's K/V faster than the GPU computes its weights' share)."""
+    per_token_link = 2 * geometry.bytes_per_token * flops * mfu / bandwidth   # FLOPs the link time is worth
+    attention = 2 * geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
+    return max(0.0, (per_token_link - 2 * num_params) / attention)
+
+
 def crossover_tokens(swap_seconds, recompute_seconds, lengths) -> int | None:
     """The first length at which swap is cheaper than recompute (None if it never is among lengths)."""
     return next((n for n in lengths if swap_seconds(n) < recompute_seconds(n)), None)
