@@ -113,14 +113,26 @@ class KVTier:
         self.free_slots.extend(slots)
 
     def save(self, copies: list[tuple[int, int]]) -> None:
-        """(pool block, tier slot) pairs: every layer's K and V of the block into the slot."""
+        """(pool block, tier slot) pairs, distinct slots: every layer's K and V of the block into the slot."""
         pool = self.kv_cache.storage
-        for block, slot in copies:
-            self.storage[slot].copy_(pool[:, :, block], non_blocking=True)  # [2, layers, block_size, heads, dim]
+        if not copies:
+            return
+        if pool.device == self.storage.device:  # a host pool: one gather and one scatter for all the blocks
+            blocks, slots = map(list, zip(*copies))
+            self.storage[slots] = pool[:, :, blocks].movedim(2, 0)      # [n, 2, layers, block_size, heads, dim]
+            return
+        for block, slot in copies:  # GPU to pinned host memory: one asynchronous copy per block, in stream order
+            self.storage[slot].copy_(pool[:, :, block], non_blocking=True)
 
     def load(self, copies: list[tuple[int, int]]) -> None:
-        """(tier slot, pool block) pairs: the slot back into the block."""
+        """(tier slot, pool block) pairs, distinct blocks: the slot back into the block."""
         pool = self.kv_cache.storage
+        if not copies:
+            return
+        if pool.device == self.storage.device:
+            slots, blocks = map(list, zip(*copies))
+            pool[:, :, blocks] = self.storage[slots].movedim(0, 2)      # [2, layers, n, block_size, heads, dim]
+            return
         for slot, block in copies:
             pool[:, :, block].copy_(self.storage[slot], non_blocking=True)
 
