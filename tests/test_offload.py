@@ -1,7 +1,7 @@
 """KV offload (paged/offload.py, guide §15): stable block hashes, swap preemption, the prefix cache's second tier.
 
 On a tiny random Llama: greedy tokens with swap (memory and disk tier) and with the tier serving evicted prefixes
-equal those of a pool roomy enough to need neither; swapped and offloaded blocks come back bit for bit; a full tier
+equal transformers' (and, with forks, speculation or both tiers, those of a pool roomy enough to need neither); swapped and offloaded blocks come back bit for bit; a full tier
 falls back to recompute; an unwritable tier file and bad settings raise a ValueError naming the argument; an
 interrupted step leaves both tiers consistent. A hypothesis state machine drives the block manager and both tiers
 directly and checks that nothing leaks, ref counts are exact, and no block is in two places at once.
@@ -44,9 +44,18 @@ def long_prompts():
     return random_prompts(4, seed=13, low=30, high=31)   # 30 tokens + 30 new: up to 8 blocks of 8 each
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation, EOS ignored: the oracle."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
 @pytest.fixture(scope="module")
 def long_expected(tiny_model, long_prompts):
-    return tokens(make_tiny_llm(tiny_model, num_blocks=256).generate(long_prompts, LONG, use_tqdm=False))
+    return [hf_greedy(tiny_model, prompt, LONG.max_tokens) for prompt in long_prompts]
 
 
 # ---- stable block hashes --------------------------------------------------------------------------------------------
@@ -253,7 +262,7 @@ def test_the_tier_serves_evicted_prefixes_with_greedy_tokens_unchanged(tiny_mode
     system = random_prompts(1, seed=3, low=40, high=41)[0]
     prompts = [system + p for p in random_prompts(4, seed=5, low=5, high=10)]
     fillers = random_prompts(4, seed=6, low=88, high=89)   # with 5 new tokens, all 12 blocks: the pool forgets
-    expected = tokens(make_tiny_llm(tiny_model, num_blocks=256).generate(prompts, SHORT, use_tqdm=False))
+    expected = [hf_greedy(tiny_model, prompt, SHORT.max_tokens) for prompt in prompts]
     llm = make_tiny_llm(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
                         kv_offload_dir=tmp_path if disk else None)
     got = []
