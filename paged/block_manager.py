@@ -10,16 +10,41 @@ pulling one out of the middle are all O(1), with no list scans. A block's refere
 tables that hold it; it returns to the queue when that count drops to zero.
 
 Prefix caching (guide §9, `enable_prefix_caching=True`): a full block is named by a chained hash
-H(parent block's hash, its token ids, extra keys such as an adapter id), and `cached` maps hash -> block. A block
+H(parent block's hash, its token ids, extra keys such as an adapter id), and `cached` maps hash -> block. H is
+SHA-256 over a canonical encoding of those three (`hash_block_tokens`), as vLLM does, so a block has the same name
+in every process: a tier on disk or another worker can look it up (guide §15). Python's `hash()` would not do: it
+is salted per process. A block
 whose count drops to zero keeps its contents and its hash and waits in the free queue; a new sequence whose prompt
 starts with the same blocks takes them back instead of computing them again. The free queue is the LRU order of
 eviction: a block taken from its head for fresh use loses its hash then, and only then.
 """
 
 import enum
+import hashlib
+import pickle
 from dataclasses import dataclass, field
 
 from .inputs import integer
+
+
+def canonical_extra_key(extra_key):
+    """The extra key of a block hash in a form that pickles alike in every process: None, an int, a str, or a
+    (nested) tuple of those. Anything else (a float, a list, an object) raises a ValueError."""
+    if extra_key is None or isinstance(extra_key, str):
+        return extra_key
+    if isinstance(extra_key, int) and not isinstance(extra_key, bool):
+        return int(extra_key)  # an IntEnum, say, pickles as its plain value
+    if isinstance(extra_key, tuple):
+        return tuple(canonical_extra_key(part) for part in extra_key)
+    raise ValueError(f"a prefix-cache extra key (Request.cache_key) must be None, an int, a str or a tuple of those, "
+                     f"got {extra_key!r} ({type(extra_key).__name__})")
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_key=None) -> bytes:
+    """A full block's name: the SHA-256 digest (32 bytes) of its parent's digest, its token ids and the extra key,
+    pickled with a fixed protocol, so every process computes the same name for the same prefix."""
+    payload = (parent_hash, tuple(int(t) for t in token_ids), canonical_extra_key(extra_key))
+    return hashlib.sha256(pickle.dumps(payload, protocol=4)).digest()
 
 
 class AllocStatus(enum.Enum):
@@ -37,7 +62,7 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None     # set while the block is full and registered in the prefix cache
+    block_hash: bytes | None = None   # set while the block is full and registered in the prefix cache
     hash_key: tuple | None = None     # (parent hash, token ids, extra key): confirms a hash match
     prev_free: "Block | None" = field(default=None, repr=False)
     next_free: "Block | None" = field(default=None, repr=False)
@@ -85,6 +110,8 @@ def cdiv(a: int, b: int) -> int:
 class BlockManager:
     """Hands out blocks to sequences and keeps their block tables. Sequences are named by integer ids."""
 
+    hash_function = staticmethod(hash_block_tokens)  # (parent hash, token ids, extra key) -> a block's hash
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         block_size = integer("block_size", block_size, low=1)
         if block_size & (block_size - 1):
@@ -96,8 +123,8 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self.cached: dict[int, Block] = {}              # block hash -> block holding those tokens
-        self.block_hashes: dict[int, list[int]] = {}    # seq_id -> hashes of its full, registered blocks
+        self.cached: dict[bytes, Block] = {}            # block hash -> block holding those tokens
+        self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full, registered blocks
         self.pending_copies: list[tuple[int, int]] = [] # copy-on-write (src, dst) block copies not yet done
 
     @property
@@ -175,18 +202,25 @@ class BlockManager:
         The last prompt token is never taken from the cache: its logits are needed to sample the first output."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], None
-        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
-            key = self._hash_key(parent, token_ids, start, extra_key)
-            block = self.cached.get(hash(key))
+        hits = []
+        for block_hash, key in self.prompt_block_keys(token_ids, extra_key):
+            block = self.cached.get(block_hash)
             if block is None or block.hash_key != key:
                 break
             hits.append(block)
-            parent = block.block_hash
         return hits
 
-    def _hash_key(self, parent_hash: int | None, token_ids: list[int], start: int, extra_key) -> tuple:
-        """What names the full block of tokens start..start+block_size-1: its hash is hash() of this key."""
+    def prompt_block_keys(self, token_ids: list[int], extra_key=None):
+        """(hash, key) of each full block of a new prompt that a cache may serve, in order: all but the block that
+        holds the last prompt token. A generator: a lookup stops hashing at its first miss."""
+        parent = None
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            key = self._hash_key(parent, token_ids, start, extra_key)
+            parent = self.hash_function(*key)
+            yield parent, key
+
+    def _hash_key(self, parent_hash: bytes | None, token_ids: list[int], start: int, extra_key) -> tuple:
+        """What names the full block of tokens start..start+block_size-1: its hash is hash_function(*key)."""
         return parent_hash, tuple(token_ids[start:start + self.block_size]), extra_key
 
     def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
@@ -200,7 +234,7 @@ class BlockManager:
         table = self.block_tables[seq_id]
         for index in range(len(hashes), num_computed_tokens // self.block_size):
             key = self._hash_key(hashes[-1] if hashes else None, token_ids, index * self.block_size, extra_key)
-            block_hash = hash(key)
+            block_hash = self.hash_function(*key)
             hashes.append(block_hash)
             block = self.blocks[table[index]]
             if block_hash not in self.cached and block.block_hash is None:  # keep the first copy of a prefix
@@ -208,6 +242,19 @@ class BlockManager:
                 self.cached[block_hash] = block
                 registered.append(block)
         return registered
+
+    def cache_loaded_block(self, seq_id: int, index: int, block_hash: bytes, key: tuple) -> Block | None:
+        """Block `index` of seq_id's table receives, from another tier, the K/V named block_hash: count it as a
+        full block of seq_id and name it in the cache, as if computed here. Returns it if it entered the cache."""
+        hashes = self.block_hashes.setdefault(seq_id, [])
+        assert index == len(hashes), "loaded blocks follow the sequence's cached ones"
+        hashes.append(block_hash)
+        block = self.blocks[self.block_tables[seq_id][index]]
+        if block_hash in self.cached:
+            return None
+        block.block_hash, block.hash_key = block_hash, key
+        self.cached[block_hash] = block
+        return block
 
     def uncache(self, blocks: list[Block]) -> None:
         """Take blocks out of the prefix cache: the step that was to write their K/V did not run to the end, so

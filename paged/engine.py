@@ -20,6 +20,7 @@ from .geometry import KVGeometry
 from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .model import PagedLlama
+from .offload import OffloadConfig
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
@@ -33,7 +34,8 @@ class LLMEngine:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
                  enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter,
-                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None):
+                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None,
+                 offload_config: OffloadConfig | None = None):
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
@@ -44,7 +46,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=self.device)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.swap_space, self.prefix_tier = (offload_config or OffloadConfig()).build(self.block_manager,
+                                                                                      self.kv_cache)  # guide §15
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                   self.swap_space, self.prefix_tier)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids(model.config)
         self.requests: dict[str, Request] = {}
@@ -260,12 +265,20 @@ class LLMEngine:
             if reaches_end:
                 sampled_seqs.append(seq)
         input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.device)
+        if plan.blocks_to_swap_out:  # first the reads of blocks freed this step, then the writes (guide §15)
+            self.swap_space.tier.save(plan.blocks_to_swap_out)
         if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
             sources, targets = zip(*plan.blocks_to_copy)
             self.kv_cache.copy_blocks(list(sources), list(targets))
+        if plan.blocks_to_swap_in:
+            self.swap_space.tier.load(plan.blocks_to_swap_in)
+        if plan.blocks_to_load:
+            self.prefix_tier.tier.load(plan.blocks_to_load)
         logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
+        if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
+            self.prefix_tier.store(plan.cached_blocks)
         return sampled_seqs, logits
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
@@ -314,6 +327,11 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped": len(self.scheduler.swapped),
+            "swap_out_blocks": self.swap_space.swap_out_blocks if self.swap_space else 0,
+            "swap_in_blocks": self.swap_space.swap_in_blocks if self.swap_space else 0,
+            "offload_stored_blocks": self.prefix_tier.stored_blocks if self.prefix_tier else 0,
+            "offload_hit_tokens": self.prefix_tier.hit_tokens if self.prefix_tier else 0,
         }
 
 
@@ -342,6 +360,9 @@ class LLM:
         llm = LLM(model="smollm2", block_size=16)
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     `model` is "smollm2" (the bundled model) or a transformers Llama model object (for tests: random weights).
+    KV offload (guide §15, `offload.py`): `preemption_mode="swap"` with `swap_space` GiB of swap tier;
+    `kv_offloading_size` GiB of tier for the prefix cache; `kv_offload_dir`: a folder for both tiers as
+    memory-mapped files (a disk tier) instead of host memory.
     """
 
     def __init__(self, model="smollm2", tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
@@ -349,12 +370,13 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
                  preemption_mode: str = "recompute", attention_backend: str | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, swap_space: float = 1.0,
+                 kv_offloading_size: float | None = None, kv_offload_dir: str | None = None):
+        offload_config = OffloadConfig.from_args(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir,
+                                                 enable_prefix_caching)  # guide §15
         spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        if preemption_mode != "recompute":
-            raise ValueError(f"preemption_mode {preemption_mode!r} is not available yet; use 'recompute'")
         torch.manual_seed(seed)
         if isinstance(model, str) and model == "smollm2":
             from .models import load_hf_model
@@ -374,7 +396,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                speculative_config=spec_config, draft_model=draft)
+                                speculative_config=spec_config, draft_model=draft, offload_config=offload_config)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -9,6 +9,11 @@ Every step it fills a token budget (`max_num_batched_tokens`):
      a prompt whose leading blocks are in the prefix cache starts past them. With chunked prefill a prompt may
      take only part of the remaining budget; a preempted sequence is recomputed in chunks in any case, since its
      prompt and output together may exceed the budget.
+With `preemption_mode="swap"` (guide §15, §17) a preempted sequence's blocks are copied out to a swap tier instead
+of dropped, when it holds them alone and the tier has room (else it is recomputed); it waits in a `swapped` queue
+beside `waiting` and `running`, and swapped sequences come back, their blocks copied in, before any waiting one is
+admitted. With a prefix-cache tier, a prompt's leading blocks that miss the pool may be found there and copied in.
+The scheduler only names the copies; the engine makes them (`offload.py`).
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 """
 
@@ -26,6 +31,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
     cached_blocks: list = field(default_factory=list)  # blocks this step enters in the prefix cache
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot), before all
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (prefix-tier slot, pool block)
+    swapped_out: list[Sequence] = field(default_factory=list)               # the preempted that were swapped
 
     @property
     def num_batched_tokens(self) -> int:
@@ -34,7 +43,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False):
+                 enable_chunked_prefill: bool = False, swap_space=None, prefix_tier=None):
         max_num_seqs = integer("max_num_seqs", max_num_seqs, low=1)
         max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens, low=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -46,6 +55,9 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # preempted with their blocks in swap_space (offload.SwapSpace)
+        self.swap_space = swap_space
+        self.prefix_tier = prefix_tier           # offload.PrefixTier, or None
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
         self.prefix_query_tokens = 0   # prompt tokens admitted
         self.num_preemptions = 0
@@ -54,7 +66,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -70,7 +82,7 @@ class Scheduler:
             if seq.spec_token_ids:
                 self._fit_lookahead(seq, budget)
             num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out.preempted):
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out):
                 continue
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new,
                                         write_from=seq.num_computed_tokens)
@@ -78,12 +90,16 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         seats = sum(seq.num_seats for seq in self.running)
-        while self.waiting and not out.preempted and budget > 0:
+        if not out.preempted:
+            budget, seats = self._swap_in(out, budget, seats)
+        while self.waiting and not self.swapped and not out.preempted and budget > 0:
             seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
             if seats + seq.num_seats > self.max_num_seqs:
                 break
             hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
-            num_cached = len(hits) * self.block_manager.block_size
+            tier_hits = [] if self.prefix_tier is None else \
+                self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
+            num_cached = (len(hits) + len(tier_hits)) * self.block_manager.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not (self.enable_chunked_prefill or seq.num_preemptions > 0):
@@ -92,6 +108,10 @@ class Scheduler:
             if self.block_manager.can_allocate(num_cached + num_new, seq.seq_id, hits) is not AllocStatus.OK:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.block_manager.allocate(seq.seq_id, num_cached + num_new, hits)
+            if tier_hits:  # copied in before the step, and named in the pool's cache at once
+                loads, loaded = self.prefix_tier.load(seq.seq_id, len(hits), tier_hits)
+                out.blocks_to_load += loads
+                out.cached_blocks += loaded
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
@@ -99,10 +119,28 @@ class Scheduler:
             self._schedule(seq, num_new, out)
             budget -= num_new
             seats += seq.num_seats
-            self.prefix_hit_tokens += num_cached
+            self.prefix_hit_tokens += len(hits) * self.block_manager.block_size
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int, seats: int) -> tuple[int, int]:
+        """Swapped sequences come back first, in order, while the pool and the seats hold them; each is scheduled
+        at once for its next tokens. Returns what is left of the budget and the seats taken."""
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seats + seq.num_seats > self.max_num_seqs or \
+                    self.block_manager.can_allocate(seq.num_computed_tokens + num_new) is not AllocStatus.OK:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.swap_space.swap_in(seq.seq_id, seq.num_computed_tokens + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._schedule(seq, num_new, out)
+            budget -= num_new
+            seats += seq.num_seats
+        return budget, seats
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         """Put seq in this step and register the blocks the step fills in the prefix cache now, as vLLM does:
@@ -123,17 +161,32 @@ class Scheduler:
             seq.spec_token_ids.clear()
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
-                   preempted: list[Sequence]) -> bool:
+                   out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences not yet scheduled this step until seq can hold num_tokens.
         Returns False if seq itself had to go."""
         while self.block_manager.can_allocate(num_tokens, seq.seq_id,
                                               write_from=seq.num_computed_tokens) is not AllocStatus.OK:
             victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
             self.running.remove(victim)
-            self._preempt(victim)
-            preempted.append(victim)
+            if not self._swap_out(victim, out):
+                self._preempt(victim)
+            out.preempted.append(victim)
             if victim is seq:
                 return False
+        return True
+
+    def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Swap preemption: seq's computed blocks are to be copied out and are freed; it waits in `swapped`.
+        False, to recompute it instead, if swap is off, the tier has no room, or seq shares a block."""
+        if self.swap_space is None or not self.swap_space.can_swap_out(seq.seq_id, seq.num_computed_tokens):
+            return False
+        out.blocks_to_swap_out += self.swap_space.swap_out(seq.seq_id, seq.num_computed_tokens)
+        out.swapped_out.append(seq)
+        seq.spec_token_ids.clear()
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.appendleft(seq)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -151,6 +204,12 @@ class Scheduler:
         its blocks may hold K/V half written or not at all, so they leave the prefix cache, and its sequences go
         back to the head of the queue to be recomputed, as after a preemption."""
         self.block_manager.uncache(out.cached_blocks)
+        for seq in out.swapped_out:  # its copies may not have been made: it is recomputed instead
+            self.swapped.remove(seq)
+            self.swap_space.discard(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         for seq, _ in reversed(out.scheduled):
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
@@ -168,4 +227,7 @@ class Scheduler:
             seq.finish_reason = "abort"
             if seq in self.waiting:
                 self.waiting.remove(seq)
+            if seq in self.swapped:
+                self.swapped.remove(seq)
+                self.swap_space.discard(seq.seq_id)
         self.finish(seqs)

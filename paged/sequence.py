@@ -17,6 +17,7 @@ from .sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"    # preempted with its K/V copied out to the swap tier (guide §15)
     FINISHED = "finished"
 
 

@@ -82,6 +82,21 @@ def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(
     assert_pool_empty(llm)
 
 
+def test_swap_preemption_keeps_transformers_tokens(smollm2, chat_prompts, hf_reference):
+    """Swap preemption (guide §15) on the real model: a 48-block pool swaps sequences out to a host tier and back;
+    tokens must not change, and every swapped block comes back."""
+    from paged import LLM
+    model, tokenizer = smollm2
+    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_chunked_prefill=True,
+              max_num_batched_tokens=32, max_num_seqs=8, preemption_mode="swap", swap_space=0.05, device="cpu",
+              dtype=torch.float32)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert run_engine(llm.engine, chat_prompts, params) == hf_reference
+    stats = llm.kv_stats()
+    assert stats["swap_out_blocks"] == stats["swap_in_blocks"] > 0 and stats["num_swapped"] == 0
+    assert_pool_empty(llm)
+
+
 @pytest.mark.parametrize("method,extra", [("ngram", {}), ("draft_model", {"draft_layers": 8}),
                                           ("draft_model", {})])
 def test_speculative_decoding_keeps_transformers_tokens(smollm2, chat_prompts, hf_reference, method, extra):

@@ -1,0 +1,260 @@
+"""A second KV tier beside the pool (guide §15): swap space for preempted sequences, and a tier that keeps the
+prefix cache's full blocks after the pool has evicted them.
+
+A tier is a tensor of block-sized slots outside the pool, one slot = one block of every layer's K and V:
+    tier.storage  [num_slots, 2 (K/V), num_layers, block_size, num_kv_heads, head_dim]
+so a block moves between pool and tier as a unit, by one copy per block. It lives in host memory (pinned on CUDA,
+so the copies run without blocking the host) or, with `kv_offload_dir`, in a memory-mapped file there: a disk
+tier, slower, and real on a CPU too.
+
+Two uses, two tiers, two bookkeepers:
+  - `SwapSpace` (`preemption_mode="swap"`, `swap_space` GiB): a preempted sequence's computed blocks are copied out
+    and freed; when blocks free up it is copied back, bit for bit, and decodes on as if nothing happened. A sequence
+    that shares a block (a fork's, a cached prefix's) is not swapped but recomputed: freeing a shared block frees
+    nothing, and a copy brought back would split what was shared. Neither is one whose blocks the tier cannot take.
+  - `PrefixTier` (`enable_prefix_caching=True, kv_offloading_size` GiB): every block that enters the prefix cache is
+    also copied to the tier after the step that computed it (stored as computed, not when evicted: the copy leaves
+    the pool at leisure, never in the way of the allocation that evicts the block); a prompt whose leading blocks
+    miss the pool but hit the tier has them copied back instead of computed. The tier evicts least recently used.
+
+The scheduler decides which blocks move (it touches no tensor); the engine makes the copies before the forward pass
+(swap-outs, then copy-on-write, then swap-ins and tier hits) and stores the step's new cached blocks after it.
+"""
+
+import math
+import os
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .block_manager import Block, BlockManager, cdiv
+from .inputs import real
+from .kv_cache import KVCache
+
+PREEMPTION_MODES = ("recompute", "swap")
+GiB = 1 << 30
+
+
+def gib(name: str, value) -> float:
+    """A size in GiB: a finite number >= 0, else a ValueError naming it."""
+    value = real(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (GiB), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The engine's offload settings, checked before anything is built."""
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0                 # GiB of swap tier, used when preemption_mode == "swap"
+    kv_offloading_size: float | None = None  # GiB of prefix-cache tier; None: no tier
+    kv_offload_dir: str | None = None       # None: tiers in host memory; a folder: memory-mapped files there
+
+    @classmethod
+    def from_args(cls, preemption_mode="recompute", swap_space=1.0, kv_offloading_size=None, kv_offload_dir=None,
+                  enable_prefix_caching=False) -> "OffloadConfig":
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        swap_space = gib("swap_space", swap_space)
+        if kv_offloading_size is not None:
+            kv_offloading_size = gib("kv_offloading_size", kv_offloading_size)
+            if not enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the tier keeps the prefix "
+                                 "cache's blocks")
+        if kv_offload_dir is not None and not isinstance(kv_offload_dir, (str, os.PathLike)):
+            raise ValueError(f"kv_offload_dir must be a folder path or None, got {type(kv_offload_dir).__name__}")
+        return cls(preemption_mode, swap_space, kv_offloading_size,
+                   None if kv_offload_dir is None else os.fspath(kv_offload_dir))
+
+    def build(self, block_manager: BlockManager, kv_cache: KVCache) -> tuple["SwapSpace | None", "PrefixTier | None"]:
+        """The tiers these settings ask for, sized in blocks of this pool."""
+        block_bytes = kv_cache.nbytes // kv_cache.num_blocks
+        swap = prefix = None
+        if self.preemption_mode == "swap":
+            tier = KVTier(kv_cache, int(self.swap_space * GiB) // block_bytes, self._file("swap.kv"))
+            swap = SwapSpace(block_manager, tier)
+        if self.kv_offloading_size is not None:
+            tier = KVTier(kv_cache, int(self.kv_offloading_size * GiB) // block_bytes, self._file("prefix.kv"))
+            prefix = PrefixTier(block_manager, tier)
+        return swap, prefix
+
+    def _file(self, name: str) -> Path | None:
+        return None if self.kv_offload_dir is None else Path(self.kv_offload_dir) / name
+
+
+class KVTier:
+    """num_slots block-sized slots of K/V outside the pool, handed out from a free list."""
+
+    def __init__(self, kv_cache: KVCache, num_slots: int, path: Path | None = None):
+        self.kv_cache = kv_cache
+        self.num_slots = num_slots
+        pool = kv_cache.storage  # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (num_slots, 2, pool.shape[1], *pool.shape[3:])
+        self.path = path
+        if path is None or num_slots == 0:
+            self.storage = torch.zeros(shape, dtype=pool.dtype, pin_memory=pool.is_cuda)
+        else:
+            self.storage = map_file(path, shape, pool.dtype)
+        self.free_slots = deque(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self.free_slots):
+            raise ValueError(f"the tier has {len(self.free_slots)} free slots, {count} asked for")
+        return [self.free_slots.popleft() for _ in range(count)]
+
+    def give_back(self, slots: list[int]) -> None:
+        self.free_slots.extend(slots)
+
+    def save(self, copies: list[tuple[int, int]]) -> None:
+        """(pool block, tier slot) pairs, distinct slots: every layer's K and V of the block into the slot."""
+        pool = self.kv_cache.storage
+        if not copies:
+            return
+        if pool.device == self.storage.device:  # a host pool: one gather and one scatter for all the blocks
+            blocks, slots = map(list, zip(*copies))
+            self.storage[slots] = pool[:, :, blocks].movedim(2, 0)      # [n, 2, layers, block_size, heads, dim]
+            return
+        for block, slot in copies:  # GPU to pinned host memory: one asynchronous copy per block, in stream order
+            self.storage[slot].copy_(pool[:, :, block], non_blocking=True)
+
+    def load(self, copies: list[tuple[int, int]]) -> None:
+        """(tier slot, pool block) pairs, distinct blocks: the slot back into the block."""
+        pool = self.kv_cache.storage
+        if not copies:
+            return
+        if pool.device == self.storage.device:
+            slots, blocks = map(list, zip(*copies))
+            pool[:, :, blocks] = self.storage[slots].movedim(0, 2)      # [2, layers, n, block_size, heads, dim]
+            return
+        for slot, block in copies:
+            pool[:, :, block].copy_(self.storage[slot], non_blocking=True)
+
+
+def map_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` memory-mapped on the file at path (created, or cut to size); a ValueError naming
+    kv_offload_dir if the file cannot be written."""
+    numel = math.prod(shape)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as file:
+            file.truncate(numel * dtype.itemsize)
+        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+    except (OSError, RuntimeError) as error:
+        raise ValueError(f"kv_offload_dir: cannot write the tier file {path} ({error})") from error
+
+
+class SwapSpace:
+    """Swap preemption's bookkeeping: which tier slots hold each swapped sequence's blocks, in table order."""
+
+    def __init__(self, block_manager: BlockManager, tier: KVTier):
+        self.block_manager = block_manager
+        self.tier = tier
+        self.slots: dict[int, list[int]] = {}  # seq_id -> tier slots of its blocks
+        self.swap_out_blocks = 0                # cumulative
+        self.swap_in_blocks = 0
+
+    def can_swap_out(self, seq_id: int, num_tokens: int) -> bool:
+        """Can seq_id's blocks holding its first num_tokens tokens move out whole? Not if one of them is shared."""
+        table = self.block_manager.block_tables.get(seq_id, [])
+        blocks = self.block_manager.blocks
+        return 0 < cdiv(num_tokens, self.block_manager.block_size) <= self.tier.num_free and \
+            all(blocks[block_id].ref_count == 1 for block_id in table)
+
+    def swap_out(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Give seq_id tier slots for its first num_tokens tokens and free its table. Returns the (pool block,
+        tier slot) copies to make before the freed blocks are written again."""
+        blocks = self.block_manager.block_tables[seq_id][:cdiv(num_tokens, self.block_manager.block_size)]
+        self.slots[seq_id] = self.tier.take(len(blocks))
+        self.block_manager.free(seq_id)
+        self.swap_out_blocks += len(blocks)
+        return list(zip(blocks, self.slots[seq_id]))
+
+    def swap_in(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """A fresh table for seq_id covering num_tokens tokens (at least those swapped out), its slots released.
+        Returns the (tier slot, pool block) copies to make before anyone reads the blocks. A slot released here
+        is not taken again in the same step: swap-outs are scheduled (and made) before swap-ins."""
+        slots = self.slots.pop(seq_id)
+        table = self.block_manager.allocate(seq_id, num_tokens)
+        self.tier.give_back(slots)
+        self.swap_in_blocks += len(slots)
+        return list(zip(slots, table))
+
+    def discard(self, seq_id: int) -> None:
+        """Forget a swapped sequence (aborted, or to be recomputed instead)."""
+        self.tier.give_back(self.slots.pop(seq_id, []))
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class TierHit:
+    block_hash: bytes
+    hash_key: tuple
+    slot: int
+
+
+class PrefixTier:
+    """The prefix cache's second tier: hash -> (key, slot), least recently used first."""
+
+    def __init__(self, block_manager: BlockManager, tier: KVTier):
+        self.block_manager = block_manager
+        self.tier = tier
+        self.entries: OrderedDict[bytes, tuple[tuple, int]] = OrderedDict()
+        self.stored_blocks = 0  # cumulative: blocks copied into the tier
+        self.hit_tokens = 0     # cumulative: prompt tokens loaded from the tier instead of computed
+
+    def find(self, token_ids: list[int], extra_key, skip: int) -> list[TierHit]:
+        """The run of a new prompt's full blocks after its first `skip` (the pool's hits) that the tier holds."""
+        hits = []
+        for index, (block_hash, key) in enumerate(self.block_manager.prompt_block_keys(token_ids, extra_key)):
+            if index < skip:
+                continue
+            entry = self.entries.get(block_hash)
+            if entry is None or entry[0] != key:
+                break
+            hits.append(TierHit(block_hash, key, entry[1]))
+        return hits
+
+    def load(self, seq_id: int, first_index: int, hits: list[TierHit]) -> tuple[list[tuple[int, int]], list[Block]]:
+        """seq_id's table, just allocated, receives the hits at indices first_index.. : name those blocks by their
+        hashes in the pool's cache. Returns the (tier slot, pool block) copies to make before the step, and the
+        blocks that entered the pool's cache (to take out again if the step fails)."""
+        copies, registered = [], []
+        table = self.block_manager.block_tables[seq_id]
+        for index, hit in enumerate(hits, start=first_index):
+            self.entries.move_to_end(hit.block_hash)
+            copies.append((hit.slot, table[index]))
+            block = self.block_manager.cache_loaded_block(seq_id, index, hit.block_hash, hit.hash_key)
+            registered += [block] if block is not None else []
+        self.hit_tokens += len(hits) * self.block_manager.block_size
+        return copies, registered
+
+    def store(self, blocks: list[Block]) -> None:
+        """Copy blocks just computed and cached in the pool into the tier, unless it holds their hash already;
+        when it is full the least recently used entry makes room."""
+        for block in blocks:
+            if block.block_hash is None or self.tier.num_slots == 0:
+                continue
+            if block.block_hash in self.entries:
+                self.entries.move_to_end(block.block_hash)
+                continue
+            if self.tier.num_free == 0:
+                _, (_, slot) = self.entries.popitem(last=False)
+                self.tier.give_back([slot])
+            slot = self.tier.take(1)[0]
+            try:
+                self.tier.save([(block.block_id, slot)])
+            except BaseException:
+                self.tier.give_back([slot])
+                raise
+            self.entries[block.block_hash] = (block.hash_key, slot)
+            self.stored_blocks += 1

@@ -1,0 +1,104 @@
+"""What swap and the prefix-cache tier cost, measured here and modelled for a GPU (guide §15, §17).
+
+A preempted sequence of n tokens can be brought back two ways:
+  swap       its K/V go out to the tier and come back: 2 * n * bytes_per_token over the link between them
+  recompute  its blocks are dropped and prefilled again: 2 * num_params * n + 2 * n^2 * num_layers * d FLOPs
+             (d = num_attention_heads * head_dim; the n^2 term is causal attention's QK^T and PV)
+Swap grows linearly with n, recompute faster than linearly: "recompute can be much worse for long-context
+requests". Which one wins depends on the model's ratio of KV bytes to FLOPs per token and on the machine's ratio of
+link bandwidth to compute. `gpu_swap_seconds` / `gpu_recompute_seconds` are that model for an H100 on PCIe 5.0;
+`measure_swap_and_recompute` and `measure_ttft` measure the same things on the engine, in this process.
+"""
+
+import time
+
+import torch
+
+from .geometry import H100_SXM_BF16_FLOPS, KVGeometry
+from .sampling import SamplingParams
+
+PCIE5_X16_BANDWIDTH = 64e9   # bytes/s one way, PCIe 5.0 x16 (32 GT/s x 16 lanes, before protocol overhead)
+PREFILL_MFU = 0.5            # share of peak FLOP/s a large prefill reaches on a GPU (a round, typical figure)
+
+
+def prefill_flops(geometry: KVGeometry, num_params: float, num_tokens: int) -> float:
+    """FLOPs of prefilling num_tokens tokens: the weights' 2 * P per token plus causal attention."""
+    attention = 2 * num_tokens ** 2 * geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
+    return 2 * num_params * num_tokens + attention
+
+
+def gpu_swap_seconds(geometry: KVGeometry, num_tokens: int, bandwidth: float = PCIE5_X16_BANDWIDTH) -> float:
+    """A sequence's K/V out to host memory and back in over the link."""
+    return 2 * geometry.request_bytes(num_tokens) / bandwidth
+
+
+def gpu_recompute_seconds(geometry: KVGeometry, num_params: float, num_tokens: int,
+                          flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
+    """A sequence's prefill done again at mfu of the GPU's peak."""
+    return prefill_flops(geometry, num_params, num_tokens) / (flops * mfu)
+
+
+def gpu_crossover_tokens(geometry: KVGeometry, num_params: float, bandwidth: float = PCIE5_X16_BANDWIDTH,
+                         flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
+    """The context length n at which swap and recompute cost the same in the GPU model, from
+    2 n B / bandwidth = (2 P n + 2 n^2 L d) / (flops * mfu). Swap is cheaper beyond it; 0 when it is cheaper at
+    every length (the link carries a token's K/V faster than the GPU computes its weights' share)."""
+    per_token_link = 2 * geometry.bytes_per_token * flops * mfu / bandwidth   # FLOPs the link time is worth
+    attention = 2 * geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
+    return max(0.0, (per_token_link - 2 * num_params) / attention)
+
+
+def crossover_tokens(swap_seconds, recompute_seconds, lengths) -> int | None:
+    """The first length at which swap is cheaper than recompute (None if it never is among lengths)."""
+    return next((n for n in lengths if swap_seconds(n) < recompute_seconds(n)), None)
+
+
+def measure_swap_and_recompute(llm, lengths, tiers, repeats: int = 1) -> dict:
+    """For each length n: seconds to prefill an n-token prompt (what a recompute costs) and, for each tier, seconds
+    to copy its blocks out and back in. llm needs a pool of at least max(lengths) tokens; tiers are offload.KVTier
+    objects over llm's pool with as many slots. Returns {"recompute": [...], tier name: [...]} in order of lengths."""
+    engine = llm.engine
+    manager = engine.block_manager
+    results = {"recompute": []} | {name: [] for name in tiers}
+    generator = torch.Generator().manual_seed(0)
+    vocab = engine.model.embed_tokens.shape[0]
+    llm.generate([[1] * 8], SamplingParams(max_tokens=1), use_tqdm=False)  # warm up: nothing measured runs first
+    for n in lengths:
+        prompt = torch.randint(0, vocab, (n,), generator=generator).tolist()
+        request = engine.make_request(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        engine.add_request(request)
+        start = time.perf_counter()
+        engine.step()                                            # the prefill: all n tokens' K/V, once
+        results["recompute"].append(time.perf_counter() - start)
+        table = manager.block_tables[request.seqs[0].seq_id]
+        for name, tier in tiers.items():
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                tier.save(list(zip(table, range(len(table)))))
+                tier.load(list(zip(range(len(table)), table)))
+                best = min(best, time.perf_counter() - start)
+            results[name].append(best)
+        engine.abort_request(request.request_id)
+    return results
+
+
+def measure_ttft(llm, prefix: list[int], questions: list[list[int]], filler: list[int]) -> dict:
+    """TTFT (seconds) of prefix + a question when the prefix is nowhere (first time), in the pool (right after),
+    and in the tier only (after a filler prompt has taken every pool block). llm: prefix caching on, a tier, a
+    pool no larger than the filler."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def ttft(prompt):
+        return llm.generate([prompt], params, use_tqdm=False)[0].metrics.ttft
+
+    llm.generate([[1] * 8], params, use_tqdm=False)  # warm up: nothing measured runs first
+    before = llm.kv_stats()
+    times = {"nowhere": ttft(prefix + questions[0]), "pool": ttft(prefix + questions[1])}
+    llm.generate([filler], params, use_tqdm=False)
+    hits_before_tier = llm.kv_stats()["offload_hit_tokens"]
+    times["tier"] = ttft(prefix + questions[2])
+    after = llm.kv_stats()
+    times["tier_hit_tokens"] = after["offload_hit_tokens"] - hits_before_tier
+    times["pool_hit_tokens"] = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    return times
