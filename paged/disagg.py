@@ -42,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm.auto import tqdm
 
 from .block_manager import AllocStatus, cdiv
 from .inputs import as_prompt_list, integer, prompt_token_ids, real
@@ -121,6 +122,8 @@ def _worker_main(role, model_spec, block_size, engine_args, device, port, num_th
         except OSError:
             pass
         raise SystemExit(1)
+    caller_conn.close()
+    os._exit(0)  # skip the interpreter's teardown (seconds of C++ destructors here); nothing is left to flush
 
 
 class _Worker:
@@ -219,6 +222,9 @@ class DecodeWorker(_Worker):
                 self.pending = None
                 continue
             if not engine.has_unfinished_requests():
+                if self.pending is not None:
+                    raise RuntimeError(f"request {self.pending.request_id} does not fit the idle decode pool "
+                                       f"(a bug: requests are validated to fit it)")
                 if self.stopping:
                     return
                 continue
@@ -267,31 +273,31 @@ def _model_spec(model):
 
 
 def _stop_process(process, grace_s: float) -> None:
+    """Wait grace_s for the worker to exit by itself, then kill it (SIGKILL also ends a stopped process)."""
     process.join(grace_s)
     if process.is_alive():
-        process.terminate()
-        process.join(grace_s)
-    if process.is_alive():
         process.kill()
-        process.join()
+    process.join()
 
 
 class DisaggregatedLLM:
     """LLM's generate() over a prefill worker and a decode worker in two processes (see the module docstring).
 
     engine_args go to both engines (num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-    enable_chunked_prefill, enable_prefix_caching, seed, dtype). timeout: seconds the caller waits for a worker to
-    start, or for any word from the workers while requests are in flight, before it gives up and stops them.
+    enable_chunked_prefill, enable_prefix_caching, seed, dtype). timeout: seconds the caller waits for any word
+    from the workers while requests are in flight (a busy worker speaks every second) before it gives up and stops
+    them; startup_timeout: the same for a worker to build its engine.
     num_threads: torch threads in each worker (None: torch's default); 1 splits a 2-core machine in two.
     verify_transfers: hash every transfer on both sides (transfer_log() shows both digests).
     """
 
     def __init__(self, model="smollm2", block_size: int = 16, *, device: str | torch.device | None = None,
-                 timeout: float = 120.0, num_threads: int | None = 1, verify_transfers: bool = False,
+                 timeout: float = 120.0, startup_timeout: float = 600.0, num_threads: int | None = 1, verify_transfers: bool = False,
                  tokenizer=None, **engine_args):
-        timeout = real("timeout", timeout)
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        timeout, startup_timeout = real("timeout", timeout), real("startup_timeout", startup_timeout)
+        for name, seconds in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if seconds <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {seconds}")
         if num_threads is not None:
             num_threads = integer("num_threads", num_threads, low=1)
         block_size = integer("block_size", block_size, low=1)
@@ -309,6 +315,7 @@ class DisaggregatedLLM:
             from .models import convert_gguf_to_cache
             self.tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_cache())
         self._processes, self._conns, self._log, self._closed = {}, {}, [], False
+        self._grace_s = [5.0]  # how long close() waits for a worker to stop by itself; short after a failure
         self._request_counter = 0
         devices = self._devices(device)
         context = mp.get_context("spawn")
@@ -322,12 +329,13 @@ class DisaggregatedLLM:
             self._processes[role], self._conns[role] = process, ours
         for process in self._processes.values():
             process.start()
-        self._finalizer = weakref.finalize(self, DisaggregatedLLM._shutdown, self._processes, self._conns)
+        self._finalizer = weakref.finalize(self, DisaggregatedLLM._shutdown, self._processes, self._conns,
+                                          self._grace_s)
         peer_prefill.close(), peer_decode.close()
         try:
-            self.limits = {role: self._wait_ready(role) for role in ("prefill", "decode")}
+            self.limits = {role: self._wait_ready(role, startup_timeout) for role in ("prefill", "decode")}
         except BaseException:
-            self.close()
+            self._abort()
             raise
 
     @staticmethod
@@ -341,23 +349,25 @@ class DisaggregatedLLM:
     def pids(self) -> dict[str, int]:
         return {role: process.pid for role, process in self._processes.items()}
 
-    def _wait_ready(self, role: str) -> dict:
-        while True:
-            kind, payload = self._next_message({role})
-            if kind == "ready":
-                return payload
+    def _wait_ready(self, role: str, timeout: float) -> dict:
+        kind, payload = self._next_message({role}, timeout)
+        if kind != "ready":
+            self._abort()
+            raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
+        return payload
 
-    def _next_message(self, roles=("prefill", "decode")) -> tuple:
+    def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None) -> tuple:
         """The next message from one of the workers; a WorkerError (and both workers stopped) if one dies,
         raises, or none says anything for `timeout` seconds."""
+        timeout = self.timeout if timeout is None else timeout
         by_object = {}
         for role in roles:
             by_object[self._conns[role]] = role
             by_object[self._processes[role].sentinel] = role
-        ready = multiprocessing.connection.wait(list(by_object), self.timeout)
+        ready = multiprocessing.connection.wait(list(by_object), timeout)
         if not ready:
-            self.close()
-            raise WorkerError(f"no answer from the {' or '.join(roles)} worker in {self.timeout:g} s "
+            self._abort()
+            raise WorkerError(f"no answer from the {' or '.join(roles)} worker in {timeout:g} s "
                               f"(timeout); both workers were stopped")
         for obj in ready:  # messages first: a worker that raised says why before it exits
             if obj in self._conns.values():
@@ -366,30 +376,33 @@ class DisaggregatedLLM:
                     message = obj.recv()
                 except (EOFError, OSError):
                     continue
-                if message[0] == "error":
-                    self._raise_death(wait_s=1.0)  # a peer that died is the cause, the error only its echo
-                    self.close()
+                if message[0] == "error":  # a peer that died is the cause, the error only its echo
+                    self._raise_death(wait_s=1.0, roles={"prefill", "decode"} - {role})
+                    self._abort()
                     raise WorkerError(f"the {role} worker failed; both workers were stopped:\n{message[1]}")
                 return message[0], (message[1] if len(message) > 1 else None)
         self._raise_death(wait_s=self.timeout)
+        self._abort()
+        raise WorkerError(f"the {' or '.join(roles)} worker closed its pipe but did not exit; both workers "
+                          f"were stopped")
 
-    def _raise_death(self, wait_s: float) -> None:
+    def _raise_death(self, wait_s: float, roles=("prefill", "decode")) -> None:
         """If a worker has exited (or does within wait_s), stop the other and raise a WorkerError naming it."""
-        sentinels = {process.sentinel: role for role, process in self._processes.items()}
+        sentinels = {self._processes[role].sentinel: role for role in roles}
         dead = multiprocessing.connection.wait(list(sentinels), wait_s)
         if not dead:
             return
         role = sentinels[dead[0]]
         process = self._processes[role]
         process.join()
-        self.close()
+        self._abort()
         raise WorkerError(f"the {role} worker (pid {process.pid}) died with exit code {process.exitcode}; "
                           f"both workers were stopped")
 
     # ---- the public API -------------------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`, as LLM.generate's."""
         if self._closed:
             raise WorkerError("this DisaggregatedLLM is closed (closed by close(), or after a worker failed)")
@@ -401,18 +414,25 @@ class DisaggregatedLLM:
         batch = [self._checked(prompt, params) for prompt, params in zip(prompts, sampling_params)]
         if not batch:
             return []
+        self._raise_death(wait_s=0)
         try:
-            self._conns["prefill"].send(("requests", batch))
+            try:
+                self._conns["prefill"].send(("requests", batch))
+            except OSError:  # its end of the pipe is gone: it died a moment ago
+                self._raise_death(wait_s=self.timeout)
+                raise
             done: dict[str, RequestOutput] = {}
-            while len(done) < len(batch):
-                kind, payload = self._next_message()
-                if kind == "done":
-                    payload.outputs[0].text = self._decode(payload.outputs[0].token_ids)
-                    done[payload.request_id] = payload
-                elif kind == "transfer":
-                    self._log.append(payload)
+            with tqdm(total=len(batch), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while len(done) < len(batch):
+                    kind, payload = self._next_message()
+                    if kind == "done":
+                        payload.outputs[0].text = self._decode(payload.outputs[0].token_ids)
+                        done[payload.request_id] = payload
+                        bar.update()
+                    elif kind == "transfer":
+                        self._log.append(payload)
         except BaseException:  # an interrupt must not leave half a batch in the workers
-            self.close()
+            self._abort()
             raise
         return [done[request_id] for request_id, *_ in batch]
 
@@ -466,15 +486,20 @@ class DisaggregatedLLM:
         if hasattr(self, "_finalizer"):
             self._finalizer()
 
+    def _abort(self) -> None:
+        """close() after a failure: a worker that does not stop at once is killed."""
+        self._grace_s[0] = 0.5
+        self.close()
+
     @staticmethod
-    def _shutdown(processes: dict, conns: dict) -> None:
+    def _shutdown(processes: dict, conns: dict, grace_s: list[float]) -> None:
         try:
             conns["prefill"].send(("stop",))
         except (OSError, ValueError):
             pass
         for process in processes.values():
             if process.pid is not None:
-                _stop_process(process, grace_s=5.0)
+                _stop_process(process, grace_s[0])
         for conn in conns.values():
             conn.close()
 
