@@ -52,6 +52,21 @@ from .sequence import Request, RequestMetrics, RequestOutput
 PREFILL_RANK, DECODE_RANK = 0, 1
 HEARTBEAT_S = 1.0  # a busy worker says it is alive at least this often
 
+# One direction of the links a handoff may cross between machines' GPUs, in bytes/s (datasheet peaks; a real
+# transfer gets less). The handoff of a request costs its prompt's K/V bytes over one of these.
+LINKS = {
+    "PCIe Gen5 x16": 64e9,                  # 32 GT/s x 16 lanes, 128b/130b coding: ~63 GB/s each way
+    "NVLink 4 (H100 SXM)": 450e9,           # 900 GB/s per GPU, both directions together
+    "RDMA, 400 Gb/s InfiniBand NDR": 50e9,  # one NIC; a DGX H100 has eight
+}
+
+
+def handoff_seconds(num_bytes: int, link: str) -> float:
+    """The time to move num_bytes of K/V over one of LINKS at its peak bandwidth."""
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {sorted(LINKS)}, got {link!r}")
+    return num_bytes / LINKS[link]
+
 
 class WorkerError(RuntimeError):
     """A worker died, raised, or stopped answering; the pair is closed."""

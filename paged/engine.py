@@ -200,6 +200,7 @@ class LLMEngine:
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
             for token in tokens:
                 seq.token_ids.append(token)
+                seq.request.metrics.token_times.append(now)
                 if self._check_stop(seq, token):
                     finished.append(seq)
                     break
