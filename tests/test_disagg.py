@@ -55,6 +55,9 @@ def test_greedy_tokens_equal_transformers(pair, tiny_model):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24, stop_at_eos=False)
         assert out.outputs[0].finish_reason == "length"
+        times = out.metrics.token_times  # the first from the prefill worker, the rest from the decode worker
+        assert len(times) == 24 and times == sorted(times) and times[0] == out.metrics.first_token_time
+        assert out.metrics.arrival_time <= times[0] <= out.metrics.finished_time
 
 
 def test_greedy_with_eos_and_a_crowded_decode_pool_equals_colocated(pair, tiny_model):
@@ -66,6 +69,8 @@ def test_greedy_with_eos_and_a_crowded_decode_pool_equals_colocated(pair, tiny_m
     outs = pair.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].finish_reason for o in outs] == [o.outputs[0].finish_reason for o in expected]
+    for out in outs + expected:  # one time per output token, in both engines
+        assert len(out.metrics.token_times) == len(out.outputs[0].token_ids)
 
 
 def test_seeded_sampling_continues_the_first_tokens_generator(pair, tiny_model):
