@@ -18,7 +18,7 @@ stalls the decode steps of running requests, which is the whole point.
 
 The caller only supervises: it validates every prompt before anything is sent, collects outputs in prompt order,
 and watches both processes. A worker that dies, raises, or says nothing for `timeout` seconds while requests are in
-flight makes generate() raise a RuntimeError naming it; both workers are then stopped, so nothing is left running
+flight makes generate() raise a WorkerError (a RuntimeError) naming it; both workers are then stopped, so nothing is left running
 (close() also runs on garbage collection and at interpreter exit).
 
 What matches the colocated LLM: greedy tokens exactly (both engines run the same forward pass; a block arrives
@@ -110,17 +110,20 @@ def _build_llm(model_spec, device, block_size, engine_args):
     return LLM(model=model, block_size=block_size, device=device, **engine_args)
 
 
-def _worker_main(role, model_spec, block_size, engine_args, device, port, num_threads, verify, timeout,
+def _worker_main(role, model_spec, block_size, engine_args, device, port, num_threads, verify,
                  caller_conn, peer_conn):
     """Entry point of both workers: build the engine, join the process group, serve until told to stop."""
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
         llm = _build_llm(model_spec, device, block_size, engine_args)
         backend = "nccl" if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
+        # A send may wait long for a crowded decode pool to make room; liveness is the caller's watch, not this.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                 rank=PREFILL_RANK if role == "prefill" else DECODE_RANK, world_size=2,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(days=1))
         engine = llm.engine
         caller_conn.send(("ready", {"num_blocks": engine.block_manager.num_blocks,
                                     "max_model_len": engine.max_model_len,
@@ -340,7 +343,7 @@ class DisaggregatedLLM:
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"paged-{role}-worker", daemon=True,
                                       args=(role, spec, block_size, engine_args, devices[role], port, num_threads,
-                                            verify_transfers, timeout, theirs, peer))
+                                            verify_transfers, theirs, peer))
             self._processes[role], self._conns[role] = process, ours
         for process in self._processes.values():
             process.start()
