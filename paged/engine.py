@@ -113,6 +113,25 @@ class LLMEngine:
         self.requests[request.request_id] = request
         return request.request_id
 
+    def add_prefilled_request(self, request: Request, first_token: int) -> list[int]:
+        """Start a request whose prompt K/V were computed elsewhere (disaggregated decode, guide §15): its blocks
+        are allocated here and returned, for the caller to fill before the next step; the sequence runs from its
+        first token, sampled by whoever ran the prompt. One completion only; raises NoFreeBlocksError if the pool
+        has no room now (check can_allocate first)."""
+        if request.request_id in self.requests or request.seqs:
+            raise ValueError(f"request_id {request.request_id!r} is already in use (or the request was added "
+                             f"before); make a new request")
+        if request.params.n != 1:
+            raise ValueError(f"n must be 1 for a prefilled request, got {request.params.n}")
+        seq = self._new_sequence(request)
+        block_ids = list(self.block_manager.allocate(seq.seq_id, seq.num_tokens))
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(first_token)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        self.requests[request.request_id] = request
+        return block_ids
+
     def _new_sequence(self, request: Request) -> Sequence:
         index = len(request.seqs)
         generator = None
@@ -186,6 +205,7 @@ class LLMEngine:
             seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
             for token in tokens:
                 seq.token_ids.append(token)
+                seq.request.metrics.token_times.append(now)
                 if self._check_stop(seq, token):
                     finished.append(seq)
                     break

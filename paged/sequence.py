@@ -76,6 +76,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_draft_tokens: int = 0       # speculative tokens proposed for this request (guide §14)
     num_accepted_tokens: int = 0    # of those, the ones the target accepted
+    token_times: list[float] = field(default_factory=list)  # when each output token was appended
 
     @property
     def ttft(self) -> float | None:

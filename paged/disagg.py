@@ -1,0 +1,528 @@
+"""Disaggregated prefill and decode (guide §15, after DistServe and Splitwise): two engines in two processes.
+
+    with DisaggregatedLLM(model="smollm2", block_size=16) as llm:    # the same generate() as LLM
+        outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
+        llm.transfer_stats()   # blocks_sent, bytes_sent, seconds
+
+A prefill worker runs every prompt through its own LLMEngine and samples the first token. It then hands the request
+to a decode worker: the blocks the prompt fills, every layer's K and V, go over torch.distributed (gloo on a CPU,
+NCCL between two GPUs) as one tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; the request
+itself (token ids, sampling parameters, first token, the state of its random generator) goes over a pipe beside it.
+The decode worker allocates blocks in its own pool, receives into a staging buffer of that shape, scatters it into
+those blocks, and decodes the request from its first token (`LLMEngine.add_prefilled_request`). The two run at once:
+while the decode worker decodes request i, the prefill worker already prefills request i + 1, so a long prompt never
+stalls the decode steps of running requests, which is the whole point.
+
+    caller --requests--> prefill worker --header (pipe) + K/V blocks (torch.distributed)--> decode worker
+       ^------------------------ outputs, heartbeats, errors (pipes) ---------------------------/
+
+The caller only supervises: it validates every prompt before anything is sent, collects outputs in prompt order,
+and watches both processes. A worker that dies, raises, or says nothing for `timeout` seconds while requests are in
+flight makes generate() raise a WorkerError (a RuntimeError) naming it; both workers are then stopped, so nothing is left running
+(close() also runs on garbage collection and at interpreter exit).
+
+What matches the colocated LLM: greedy tokens exactly (both engines run the same forward pass; a block arrives
+bit-exact). Seeded sampling draws from the same stream: the request's generator drew the first token in the prefill
+worker and its state travels with the request, so the decode worker continues it; the tokens then equal LLM's as
+long as the logits do (batch composition can change the last bits of a logit, as between two LLM runs with other
+batch-mates). Unseeded sampling uses each worker's own generator, so it differs from LLM's. One completion per
+request (n = 1). A sequence the decode worker preempts is recomputed there, as in LLM.
+"""
+
+import dataclasses
+import hashlib
+import multiprocessing.connection
+import os
+import socket
+import time
+import traceback
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm.auto import tqdm
+
+from .block_manager import AllocStatus, cdiv
+from .inputs import as_prompt_list, integer, prompt_token_ids, real
+from .sampling import SamplingParams
+from .sequence import Request, RequestMetrics, RequestOutput
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+HEARTBEAT_S = 1.0  # a busy worker says it is alive at least this often
+
+# One direction of the links a handoff may cross between machines' GPUs, in bytes/s (datasheet peaks; a real
+# transfer gets less). The handoff of a request costs its prompt's K/V bytes over one of these.
+LINKS = {
+    "PCIe Gen5 x16": 64e9,                  # 32 GT/s x 16 lanes, 128b/130b coding: ~63 GB/s each way
+    "NVLink 4 (H100 SXM)": 450e9,           # 900 GB/s per GPU, both directions together
+    "RDMA, 400 Gb/s InfiniBand NDR": 50e9,  # one NIC; a DGX H100 has eight
+}
+
+
+def handoff_seconds(num_bytes: int, link: str) -> float:
+    """The time to move num_bytes of K/V over one of LINKS at its peak bandwidth."""
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {sorted(LINKS)}, got {link!r}")
+    return num_bytes / LINKS[link]
+
+
+class WorkerError(RuntimeError):
+    """A worker died, raised, or stopped answering; the pair is closed."""
+
+
+@dataclasses.dataclass
+class Handoff:
+    """What travels over the pipe beside a request's K/V blocks."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    first_token: int
+    generator_state: torch.Tensor | None
+    num_blocks: int
+    digest: str | None          # sha256 of the blocks' bytes as sent, when verify_transfers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def kv_digest(kv: torch.Tensor) -> str:
+    return hashlib.sha256(kv.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# ---- the workers (each in its own process) -------------------------------------------------------------------------
+
+def _build_llm(model_spec, device, block_size, engine_args):
+    from .engine import LLM
+    if model_spec == "smollm2":
+        model = "smollm2"
+    else:
+        from transformers import LlamaForCausalLM
+        config, state_dict = model_spec
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(state_dict)
+    return LLM(model=model, block_size=block_size, device=device, **engine_args)
+
+
+def _worker_main(role, model_spec, block_size, engine_args, device, port, num_threads, verify,
+                 caller_conn, peer_conn):
+    """Entry point of both workers: build the engine, join the process group, serve until told to stop."""
+    try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        llm = _build_llm(model_spec, device, block_size, engine_args)
+        backend = "nccl" if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
+        # A send may wait long for a crowded decode pool to make room; liveness is the caller's watch, not this.
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                rank=PREFILL_RANK if role == "prefill" else DECODE_RANK, world_size=2,
+                                timeout=timedelta(days=1))
+        engine = llm.engine
+        caller_conn.send(("ready", {"num_blocks": engine.block_manager.num_blocks,
+                                    "max_model_len": engine.max_model_len,
+                                    "vocab_size": engine.model.embed_tokens.shape[0],
+                                    "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
+                                    "enable_chunked_prefill": engine.scheduler.enable_chunked_prefill,
+                                    "max_num_seqs": engine.scheduler.max_num_seqs}))
+        worker = PrefillWorker if role == "prefill" else DecodeWorker
+        worker(engine, caller_conn, peer_conn, backend, verify).serve()
+        dist.destroy_process_group()
+    except BaseException:
+        try:
+            caller_conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    caller_conn.close()
+    os._exit(0)  # skip the interpreter's teardown (seconds of C++ destructors here); nothing is left to flush
+
+
+class _Worker:
+    def __init__(self, engine, caller_conn, peer_conn, backend, verify):
+        self.engine, self.caller, self.peer = engine, caller_conn, peer_conn
+        self.host_staging = backend == "gloo" and engine.device.type == "cuda"  # gloo moves host tensors only
+        self.verify = verify
+        self.last_message = time.monotonic()
+
+    def tell_caller(self, *message) -> None:
+        self.caller.send(message)
+        self.last_message = time.monotonic()
+
+    def heartbeat(self) -> None:
+        if time.monotonic() - self.last_message >= HEARTBEAT_S:
+            self.tell_caller("alive")
+
+
+class PrefillWorker(_Worker):
+    """Runs each prompt (its engine samples only the first token), then sends the request and its blocks on."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.original_params: dict[str, SamplingParams] = {}
+        self.finishing: dict[str, tuple] = {}  # request_id -> (sequence, block table) for prompts this step ends
+        self.engine.forward_observers.append(self._note_tables)
+
+    def _note_tables(self, plan) -> None:
+        """Before the forward pass: remember the tables of prompts this step completes. The engine frees their
+        blocks as soon as the one-token request finishes, but their contents stay in the pool until the next step."""
+        manager = self.engine.block_manager
+        for seq, num_new in plan.scheduled:
+            if seq.num_computed_tokens + num_new == seq.num_tokens:
+                self.finishing[seq.request.request_id] = seq, list(manager.block_tables[seq.seq_id])
+
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests() or self.caller.poll():
+                message = self.caller.recv()
+                if message[0] == "stop":
+                    self.peer.send(("stop",))
+                    return
+                for request_id, prompt, token_ids, params, arrival in message[1]:
+                    self.original_params[request_id] = params
+                    request = engine.make_request(token_ids, dataclasses.replace(params, max_tokens=1), request_id)
+                    request.prompt, request.metrics.arrival_time = prompt, arrival
+                    engine.add_request(request)
+                continue
+            self.finishing.clear()
+            for output in engine.step():
+                self._hand_off(output)
+            self.heartbeat()
+
+    def _hand_off(self, output: RequestOutput) -> None:
+        """The prompt is done and its first token sampled: finish it here, or send it to the decode worker."""
+        engine = self.engine
+        params = self.original_params.pop(output.request_id)
+        seq, table = self.finishing.pop(output.request_id)
+        completion = output.outputs[0]
+        if (completion.finish_reason == "stop" or params.max_tokens == 1
+                or seq.num_tokens >= engine.max_model_len):  # the first token ends it
+            self.tell_caller("done", output)
+            return
+        num_blocks = cdiv(seq.num_prompt_tokens, engine.block_manager.block_size)
+        kv = engine.kv_cache.storage[:, :, table[:num_blocks]]  # [2, layers, num_blocks, block_size, heads, dim]
+        if self.host_staging:
+            kv = kv.cpu()
+        generator_state = None if seq.generator is None else seq.generator.get_state()
+        self.peer.send(("handoff", Handoff(output.request_id, output.prompt, output.prompt_token_ids, params,
+                                           output.metrics, completion.token_ids[0], generator_state, num_blocks,
+                                           kv_digest(kv) if self.verify else None)))
+        dist.send(kv, dst=DECODE_RANK)
+
+
+class DecodeWorker(_Worker):
+    """Takes handed-off requests into its own pool as blocks free up, and decodes them to the end."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pending: Handoff | None = None  # announced, its blocks not yet received (no room yet)
+        self.stopping = False
+
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            if self.pending is None and not self.stopping and (not engine.has_unfinished_requests()
+                                                               or self.peer.poll()):
+                message = self.peer.recv()
+                if message[0] == "stop":
+                    self.stopping = True
+                else:
+                    self.pending = message[1]
+            if self.pending is not None and self._has_room(self.pending):
+                self._receive(self.pending)
+                self.pending = None
+                continue
+            if not engine.has_unfinished_requests():
+                if self.pending is not None:
+                    raise RuntimeError(f"request {self.pending.request_id} does not fit the idle decode pool "
+                                       f"(a bug: requests are validated to fit it)")
+                if self.stopping:
+                    return
+                continue
+            for output in engine.step():
+                self.tell_caller("done", output)
+            self.heartbeat()
+
+    def _has_room(self, handoff: Handoff) -> bool:
+        scheduler = self.engine.scheduler
+        if len(scheduler.running) + len(scheduler.waiting) >= scheduler.max_num_seqs:
+            return False
+        num_tokens = len(handoff.prompt_token_ids)
+        return self.engine.block_manager.can_allocate(num_tokens + 1) is AllocStatus.OK  # room for a decode step
+
+    def _receive(self, handoff: Handoff) -> None:
+        engine = self.engine
+        start = time.perf_counter()
+        storage = engine.kv_cache.storage                     # [2, layers, num_blocks, block_size, heads, dim]
+        shape = (2, storage.shape[1], handoff.num_blocks, *storage.shape[3:])
+        staging = torch.empty(shape, dtype=storage.dtype, device="cpu" if self.host_staging else storage.device)
+        dist.recv(staging, src=PREFILL_RANK)
+        request = Request(handoff.request_id, handoff.prompt, handoff.prompt_token_ids, handoff.params,
+                          handoff.metrics)
+        block_ids = engine.add_prefilled_request(request, handoff.first_token)
+        storage[:, :, block_ids] = staging.to(storage.device)
+        if handoff.generator_state is not None:
+            request.seqs[0].generator.set_state(handoff.generator_state)
+        seconds = time.perf_counter() - start
+        received = kv_digest(storage[:, :, block_ids]) if self.verify else None
+        self.tell_caller("transfer", {"request_id": handoff.request_id, "num_blocks": handoff.num_blocks,
+                                      "num_bytes": staging.numel() * staging.element_size(), "seconds": seconds,
+                                      "sent_digest": handoff.digest, "received_digest": received})
+
+
+# ---- the caller's side ---------------------------------------------------------------------------------------------
+
+def _model_spec(model):
+    """What a worker needs to build the model: the bundled model's name, or a transformers Llama's config and
+    weights (a spawned process cannot share the caller's module object)."""
+    if isinstance(model, str) and model == "smollm2":
+        return model
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
+        return model.config, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
+                     f"got {model!r}")
+
+
+def _stop_process(process, grace_s: float) -> None:
+    """Wait grace_s for the worker to exit by itself, then kill it (SIGKILL also ends a stopped process)."""
+    process.join(grace_s)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+class DisaggregatedLLM:
+    """LLM's generate() over a prefill worker and a decode worker in two processes (see the module docstring).
+
+    engine_args go to both engines (num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+    enable_chunked_prefill, enable_prefix_caching, seed, dtype). timeout: seconds the caller waits for any word
+    from the workers while requests are in flight (a busy worker speaks every second) before it gives up and stops
+    them; startup_timeout: the same for a worker to build its engine.
+    num_threads: torch threads in each worker (None: torch's default); 1 splits a 2-core machine in two.
+    verify_transfers: hash every transfer on both sides (transfer_log() shows both digests).
+    """
+
+    def __init__(self, model="smollm2", block_size: int = 16, *, device: str | torch.device | None = None,
+                 timeout: float = 120.0, startup_timeout: float = 600.0, num_threads: int | None = 1, verify_transfers: bool = False,
+                 tokenizer=None, **engine_args):
+        timeout, startup_timeout = real("timeout", timeout), real("startup_timeout", startup_timeout)
+        for name, seconds in (("timeout", timeout), ("startup_timeout", startup_timeout)):
+            if seconds <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {seconds}")
+        if num_threads is not None:
+            num_threads = integer("num_threads", num_threads, low=1)
+        block_size = integer("block_size", block_size, low=1)
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+        if engine_args.get("preemption_mode", "recompute") != "recompute":
+            raise ValueError(f"preemption_mode {engine_args['preemption_mode']!r} is not available for "
+                             f"DisaggregatedLLM; use 'recompute'")
+        spec = _model_spec(model)
+        self.timeout = timeout
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+        if spec == "smollm2" and tokenizer is None:
+            from transformers import AutoTokenizer
+            from .models import convert_gguf_to_cache
+            self.tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_cache())
+        self._processes, self._conns, self._log, self._closed = {}, {}, [], False
+        self._grace_s = [5.0]  # how long close() waits for a worker to stop by itself; short after a failure
+        self._request_counter = 0
+        devices = self._devices(device)
+        context = mp.get_context("spawn")
+        peer_prefill, peer_decode = context.Pipe()
+        port = free_port()
+        for role, peer in (("prefill", peer_prefill), ("decode", peer_decode)):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"paged-{role}-worker", daemon=True,
+                                      args=(role, spec, block_size, engine_args, devices[role], port, num_threads,
+                                            verify_transfers, theirs, peer))
+            self._processes[role], self._conns[role] = process, ours
+        for process in self._processes.values():
+            process.start()
+        self._finalizer = weakref.finalize(self, DisaggregatedLLM._shutdown, self._processes, self._conns,
+                                          self._grace_s)
+        peer_prefill.close(), peer_decode.close()
+        try:
+            self.limits = {role: self._wait_ready(role, startup_timeout) for role in ("prefill", "decode")}
+        except BaseException:
+            self._abort()
+            raise
+
+    @staticmethod
+    def _devices(device) -> dict[str, str]:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            return {"prefill": "cuda:0", "decode": "cuda:1"}
+        return {"prefill": str(device), "decode": str(device)}
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {role: process.pid for role, process in self._processes.items()}
+
+    def _wait_ready(self, role: str, timeout: float) -> dict:
+        kind, payload = self._next_message({role}, timeout)
+        if kind != "ready":
+            self._abort()
+            raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
+        return payload
+
+    def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None) -> tuple:
+        """The next message from one of the workers; a WorkerError (and both workers stopped) if one dies,
+        raises, or none says anything for `timeout` seconds."""
+        timeout = self.timeout if timeout is None else timeout
+        by_object = {}
+        for role in roles:
+            by_object[self._conns[role]] = role
+            by_object[self._processes[role].sentinel] = role
+        ready = multiprocessing.connection.wait(list(by_object), timeout)
+        if not ready:
+            self._abort()
+            raise WorkerError(f"no answer from the {' or '.join(roles)} worker in {timeout:g} s "
+                              f"(timeout); both workers were stopped")
+        for obj in ready:  # messages first: a worker that raised says why before it exits
+            if obj in self._conns.values():
+                role = by_object[obj]
+                try:
+                    message = obj.recv()
+                except (EOFError, OSError):
+                    continue
+                if message[0] == "error":  # a peer that died is the cause, the error only its echo
+                    self._raise_death(wait_s=1.0, roles={"prefill", "decode"} - {role})
+                    self._abort()
+                    raise WorkerError(f"the {role} worker failed; both workers were stopped:\n{message[1]}")
+                return message[0], (message[1] if len(message) > 1 else None)
+        self._raise_death(wait_s=self.timeout)
+        self._abort()
+        raise WorkerError(f"the {' or '.join(roles)} worker closed its pipe but did not exit; both workers "
+                          f"were stopped")
+
+    def _raise_death(self, wait_s: float, roles=("prefill", "decode")) -> None:
+        """If a worker has exited (or does within wait_s), stop the other and raise a WorkerError naming it."""
+        sentinels = {self._processes[role].sentinel: role for role in roles}
+        dead = multiprocessing.connection.wait(list(sentinels), wait_s)
+        if not dead:
+            return
+        role = sentinels[dead[0]]
+        process = self._processes[role]
+        process.join()
+        self._abort()
+        raise WorkerError(f"the {role} worker (pid {process.pid}) died with exit code {process.exitcode}; "
+                          f"both workers were stopped")
+
+    # ---- the public API -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`, as LLM.generate's."""
+        if self._closed:
+            raise WorkerError("this DisaggregatedLLM is closed (closed by close(), or after a worker failed)")
+        prompts = as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        batch = [self._checked(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        if not batch:
+            return []
+        self._raise_death(wait_s=0)
+        try:
+            try:
+                self._conns["prefill"].send(("requests", batch))
+            except OSError:  # its end of the pipe is gone: it died a moment ago
+                self._raise_death(wait_s=self.timeout)
+                raise
+            done: dict[str, RequestOutput] = {}
+            with tqdm(total=len(batch), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while len(done) < len(batch):
+                    kind, payload = self._next_message()
+                    if kind == "done":
+                        payload.outputs[0].text = self._decode(payload.outputs[0].token_ids)
+                        done[payload.request_id] = payload
+                        bar.update()
+                    elif kind == "transfer":
+                        self._log.append(payload)
+        except BaseException:  # an interrupt must not leave half a batch in the workers
+            self._abort()
+            raise
+        return [done[request_id] for request_id, *_ in batch]
+
+    def _checked(self, prompt, params) -> tuple:
+        """One request as the prefill worker takes it, after every check the engines would make."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for DisaggregatedLLM (one completion per request), got {params.n}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        limits = self.limits["prefill"]
+        if not all(0 <= t < limits["vocab_size"] for t in token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {limits['vocab_size']}) (the model's vocabulary size)")
+        if len(token_ids) >= limits["max_model_len"]:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the model holds at most {limits['max_model_len']} "
+                             f"(max_model_len) including at least one new token")
+        if not limits["enable_chunked_prefill"] and len(token_ids) > limits["max_num_batched_tokens"]:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                             f"({limits['max_num_batched_tokens']}); raise it or enable_chunked_prefill=True")
+        longest = min(len(token_ids) + params.max_tokens, limits["max_model_len"])
+        for role, needed in (("prefill", len(token_ids)), ("decode", longest)):
+            num_blocks = self.limits[role]["num_blocks"]
+            if cdiv(needed, self.block_size) > num_blocks:
+                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                                 f"{needed} tokens in the {role} worker's KV pool of {num_blocks} blocks of "
+                                 f"{self.block_size}; raise num_blocks or lower max_tokens")
+        request_id = str(self._request_counter)
+        self._request_counter += 1
+        return request_id, prompt if isinstance(prompt, str) else None, token_ids, params, time.perf_counter()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def transfer_stats(self) -> dict:
+        """Totals over every handoff so far: blocks and bytes of K/V moved, and the seconds the decode worker spent
+        receiving them into its pool."""
+        return {"blocks_sent": sum(t["num_blocks"] for t in self._log),
+                "bytes_sent": sum(t["num_bytes"] for t in self._log),
+                "seconds": sum(t["seconds"] for t in self._log)}
+
+    def transfer_log(self) -> list[dict]:
+        """One record per handoff: request_id, num_blocks, num_bytes, seconds, and with verify_transfers the
+        sha256 of the blocks as the prefill worker sent them and as the decode worker's pool holds them."""
+        return [dict(t) for t in self._log]
+
+    def close(self) -> None:
+        """Stop both workers (politely, then by force); safe to call twice."""
+        self._closed = True
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
+
+    def _abort(self) -> None:
+        """close() after a failure: a worker that does not stop at once is killed."""
+        self._grace_s[0] = 0.5
+        self.close()
+
+    @staticmethod
+    def _shutdown(processes: dict, conns: dict, grace_s: list[float]) -> None:
+        try:
+            conns["prefill"].send(("stop",))
+        except (OSError, ValueError):
+            pass
+        for process in processes.values():
+            if process.pid is not None:
+                _stop_process(process, grace_s[0])
+        for conn in conns.values():
+            conn.close()
+
+    def __enter__(self) -> "DisaggregatedLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
