@@ -46,6 +46,15 @@ def tokens(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: on a machine other processes load, torch's thread pool costs more than it gives."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """Three adapters of different shapes: (LoRARequest, PEFT model) each."""
