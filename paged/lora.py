@@ -317,6 +317,8 @@ class LoRASlots:
         """Make every adapter in needed (at most max_loras distinct ids) resident; returns id -> slot.
         A slot to fill is an empty one, else the least recently used one whose adapter this step does not need,
         preferring one no running sequence needs (keep) either."""
+        if len(set(needed)) > self.max_loras:  # the scheduler's admission rule keeps this from happening
+            raise RuntimeError(f"a step needs {len(set(needed))} adapters but there are {self.max_loras} slots")
         for lora_id in needed:
             if self.slot_of(lora_id) is None:
                 free = [s for s, held in enumerate(self.slot_ids) if held not in needed]

@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 from helpers import assert_pool_empty, make_tiny_llm, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 
 from paged import LoRARequest, SamplingParams
-from paged.lora import TARGET_MODULES, lora_ops
+from paged.lora import TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
@@ -256,3 +258,33 @@ def test_a_lora_request_needs_enable_lora(adapters):
 def test_bad_lora_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3), min_size=1, max_size=25),
+       max_loras=st.integers(3, 4))
+def test_slots_hold_what_each_step_needs(tiny_slots_model, steps, max_loras):
+    """Whatever the order adapters are needed in: each step's adapters are resident in distinct slots holding their
+    own weights, a slot is filled only when its adapter was not resident, and a needed adapter is never evicted."""
+    slots = LoRASlots(tiny_slots_model, max_loras, 4)
+    gen = torch.Generator().manual_seed(0)
+    registry = {}
+    for lora_id in range(1, 7):
+        a = torch.randn(2, 64, generator=gen)
+        registry[lora_id] = LoRAAdapter(f"a{lora_id}", lora_id, "", 2, {(0, "q_proj"): (a, torch.randn(64, 2))})
+    for step, needed in enumerate(steps, start=1):
+        resident_before = set(slots.slot_ids) - {None}
+        loads_before = slots.num_loads
+        slot_of = slots.activate(needed, registry, keep=set(), step=step)
+        assert sorted(slot_of) == sorted(set(needed)) and len(set(slot_of.values())) == len(slot_of)
+        for lora_id, slot in slot_of.items():
+            assert slots.slot_ids[slot] == lora_id
+            assert torch.equal(slots.lora_a[0]["qkv"][slot, :2], registry[lora_id].weights[(0, "q_proj")][0])
+        assert slots.num_loads - loads_before == len(set(needed) - resident_before)
+        assert len(set(slots.slot_ids) - {None}) <= max_loras
+
+
+@pytest.fixture(scope="module")
+def tiny_slots_model():
+    from paged.model import PagedLlama
+    return PagedLlama(tiny_llama(), "torch")
