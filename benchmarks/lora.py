@@ -40,7 +40,8 @@ def save_random_adapter(folder: str, hf_model, rank: int, seed: int) -> None:
         for module in TARGET_MODULES:
             weight = getattr(getattr(layer, PARENT[module]), module).weight       # [out, in]
             prefix = f"base_model.model.model.layers.{index}.{PARENT[module]}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, weight.shape[1], generator=gen) / weight.shape[1] ** 0.5
+            fan_in = weight.shape[1]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(weight.shape[0], rank, generator=gen) * 0.01
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
@@ -73,7 +74,8 @@ def decode_step_seconds(runs, num_steps: int) -> list[float]:
         engine = llm.engine
         for prompt, lora in zip(prompts, loras):
             engine.add_request(engine.make_request(prompt, params, lora_request=lora))
-        while engine.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in engine.scheduler.running):
+        running = engine.scheduler.running
+        while engine.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in running):
             engine.step()
     fastest = [float("inf")] * len(runs)
     for _ in range(num_steps):
@@ -152,14 +154,16 @@ def main():
         base_step, lora_base_step, mixed_step = decode_step_seconds(
             [(base_llm, prompts, [None] * args.batch), (lora_llm, prompts, [None] * args.batch),
              (lora_llm_4, prompts, four)], args.steps)
-        print(f"\ndecode step at batch {args.batch} (fastest of {args.steps}): base-only engine {base_step * 1e3:.1f} ms, "
-              f"LoRA engine with base requests {lora_base_step * 1e3:.1f} ms, 4 adapters mixed {mixed_step * 1e3:.1f} ms")
+        print(f"\ndecode step at batch {args.batch} (fastest of {args.steps}, taken in turns): base-only engine "
+              f"{base_step * 1e3:.1f} ms, LoRA engine with base requests {lora_base_step * 1e3:.1f} ms, "
+              f"4 adapters mixed {mixed_step * 1e3:.1f} ms")
         print(f"step-cost ratio, 4 adapters mixed / base-only: {mixed_step / base_step:.2f}x")
 
         # 3. memory, from the tensors' bytes (fp32 weights as loaded; the ratio does not depend on the dtype)
         base_bytes = model_bytes(hf_model)
         adapter_bytes = lora_llm.engine.lora.registry[1].nbytes
-        print(f"\nbase model {base_bytes / 2**20:.1f} MiB; one rank-{args.rank} adapter {adapter_bytes / 2**20:.2f} MiB "
+        print(f"\nbase model {base_bytes / 2**20:.1f} MiB; one rank-{args.rank} adapter "
+              f"{adapter_bytes / 2**20:.2f} MiB "
               f"({adapter_bytes / base_bytes:.2%} of the base)")
         print(f"{'N':>4} {'base + N adapters MiB':>22} {'N full models MiB':>18} {'ratio':>7}")
         for n in (1, 2, 4, 8, 16, 64):

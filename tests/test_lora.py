@@ -24,8 +24,9 @@ PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))
 
 def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
     """A PEFT LoRA on the tiny Llama with random A and B, saved to path; returns (path, the PEFT model)."""
+    targets = targets if isinstance(targets, str) else list(targets)     # a string is PEFT's regex form
     peft_model = get_peft_model(tiny_llama(), LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r),
-                                                         target_modules=list(targets), lora_dropout=0.0, **config))
+                                                         target_modules=targets, lora_dropout=0.0, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -121,6 +122,20 @@ def test_random_adapters_match_peft(tmp_path, seed):
     request = LoRARequest("random", 7, path)
     ours = tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False))
     assert ours == [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+
+
+def test_regex_targets_and_some_layers_match_peft(tmp_path):
+    """target_modules as PEFT's regex string, and layers_to_transform: the weights in the file say where."""
+    regex, regex_model = make_adapter(tmp_path / "regex", seed=5, r=6, targets=r".*layers\.1\..*(gate_proj|v_proj)")
+    layer0, layer0_model = make_adapter(tmp_path / "layer0", seed=6, r=3, targets=("o_proj", "up_proj"),
+                                        layers_to_transform=[0])
+    llm = lora_llm()
+    cases = [(LoRARequest("regex", 3, regex), regex_model, {(1, "gate_proj"), (1, "v_proj")}),
+             (LoRARequest("layer0", 4, layer0), layer0_model, {(0, "o_proj"), (0, "up_proj")})]
+    for request, peft_model, modules in cases:
+        ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+        assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
+        assert llm.engine.lora.registry[request.lora_int_id].weights.keys() == modules
 
 
 def test_prefix_cache_is_keyed_by_adapter(adapters):
