@@ -110,6 +110,26 @@ def test_a_mixed_batch_equals_each_request_alone(adapters):
     assert_pool_empty(llm)
 
 
+@pytest.mark.parametrize("setting", ["preemption", "speculative"])
+def test_adapters_through_preemption_and_speculation(adapters, setting):
+    """Recomputed after preemption, or verifying ngram drafts: each request keeps its adapter's greedy tokens."""
+    requests = [request for request, _ in adapters] + [None]
+    prompts = [PROMPTS[i % 4] for i in range(8)]
+    loras = [requests[i % 4] for i in range(8)]
+    alone = [tokens(lora_llm().generate([p], GREEDY, lora_request=lr, use_tqdm=False))[0]
+             for p, lr in zip(prompts, loras)]
+    if setting == "preemption":
+        llm = lora_llm(num_blocks=14)
+    else:
+        llm = lora_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == alone
+    if setting == "preemption":
+        assert llm.kv_stats()["num_preemptions"] > 0
+    else:
+        assert llm.spec_stats()["num_draft_tokens"] > 0
+    assert_pool_empty(llm)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_adapters_match_peft(tmp_path, seed):
     """Rank 1-16 on a random non-empty set of target modules, random alpha, sometimes rsLoRA."""
