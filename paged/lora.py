@@ -339,10 +339,17 @@ class LoRABatch:
 
     def __init__(self, slots: LoRASlots, runs: list[tuple[int, int, int]], shrink, expand, device):
         self.slots, self.shrink, self.expand = slots, shrink, expand
-        self.target_segments = {module: Segments.build([run for run in runs if module in slots.slot_targets[run[2]]],
-                                                       device) for module in TARGET_MODULES}
-        self.fused_segments = {fused: Segments.build([run for run in runs if slots.slot_targets[run[2]] & set(targets)],
-                                                     device) for fused, targets in FUSED_TARGETS.items()}
+        built = {}                                   # the same runs are built once (adapters often target alike)
+
+        def segments(selected):
+            key = tuple(selected)
+            if key not in built:
+                built[key] = Segments.build(selected, device)
+            return built[key]
+        self.target_segments = {module: segments([run for run in runs if module in slots.slot_targets[run[2]]])
+                                for module in TARGET_MODULES}
+        self.fused_segments = {fused: segments([run for run in runs if slots.slot_targets[run[2]] & set(targets)])
+                               for fused, targets in FUSED_TARGETS.items()}
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [num_tokens, out_total] (the fused projection of x [num_tokens, in]) += each token's s * B A x."""

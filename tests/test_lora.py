@@ -239,6 +239,20 @@ def broken_copy(tmp_path, source, name, change_config=None, config_text=None):
     return str(folder)
 
 
+def test_fan_in_fan_out_is_read_as_peft_reads_it(adapters, tmp_path):
+    """fan_in_fan_out concerns Conv1D layers; on a Llama's nn.Linear projections PEFT turns it off and reads A and B
+    as they are, and so does the engine."""
+    from peft import PeftModel
+
+    request, _ = adapters[0]
+    folder = broken_copy(tmp_path, request.lora_path, "fifo", lambda config: config.update(fan_in_fan_out=True))
+    peft_model = PeftModel.from_pretrained(tiny_llama(), folder).eval()
+    llm = lora_llm()
+    ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("fifo", 8, folder), use_tqdm=False))
+    assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
+    assert ours == tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+
+
 def test_bad_adapters_raise_and_leave_the_engine_usable(adapters, tmp_path):
     (good, _), (big, _) = adapters[0], adapters[1]
     llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
