@@ -154,11 +154,11 @@ def test_swapped_blocks_come_back_bit_exact(tiny_model, long_prompts):
 
     forward = engine.model.forward
 
-    def after_copies(*args):
+    def after_copies(*args, **kwargs):
         for slot, block in engine.last_schedule.blocks_to_swap_in:
             assert torch.equal(engine.kv_cache.storage[:, :, block], saved.pop(slot))
             checked.append(block)
-        return forward(*args)
+        return forward(*args, **kwargs)
 
     engine.forward_observers.append(before_copies)
     engine.model.forward = after_copies
