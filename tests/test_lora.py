@@ -110,9 +110,10 @@ def test_a_mixed_batch_equals_each_request_alone(adapters):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("setting", ["preemption", "speculative"])
+@pytest.mark.parametrize("setting", ["preemption", "swap", "speculative"])
 def test_adapters_through_preemption_and_speculation(adapters, setting):
-    """Recomputed after preemption, or verifying ngram drafts: each request keeps its adapter's greedy tokens."""
+    """Recomputed or swapped after preemption, or verifying ngram drafts: each request keeps its adapter's greedy
+    tokens, and a swapped sequence comes back only when a slot holds its adapter."""
     requests = [request for request, _ in adapters] + [None]
     prompts = [PROMPTS[i % 4] for i in range(8)]
     loras = [requests[i % 4] for i in range(8)]
@@ -120,11 +121,15 @@ def test_adapters_through_preemption_and_speculation(adapters, setting):
              for p, lr in zip(prompts, loras)]
     if setting == "preemption":
         llm = lora_llm(num_blocks=14)
+    elif setting == "swap":
+        llm = lora_llm(num_blocks=14, preemption_mode="swap", swap_space=0.01, max_loras=2)
     else:
         llm = lora_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == alone
     if setting == "preemption":
         assert llm.kv_stats()["num_preemptions"] > 0
+    elif setting == "swap":
+        assert llm.kv_stats()["swap_in_blocks"] > 0
     else:
         assert llm.spec_stats()["num_draft_tokens"] > 0
     assert_pool_empty(llm)
