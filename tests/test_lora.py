@@ -122,7 +122,7 @@ def test_adapters_through_preemption_and_speculation(adapters, setting):
     if setting == "preemption":
         llm = lora_llm(num_blocks=14)
     elif setting == "swap":
-        llm = lora_llm(num_blocks=14, preemption_mode="swap", swap_space=0.01, max_loras=2)
+        llm = lora_llm(num_blocks=10, preemption_mode="swap", swap_space=0.01, max_loras=2)
     else:
         llm = lora_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == alone
