@@ -3,6 +3,7 @@
 
     python benchmarks/offload.py                               # 128 .. 4,096 tokens, memory and disk tier
     python benchmarks/offload.py --lengths 128,512 --prefix 256   # a quick look
+    python benchmarks/offload.py --threads 1                   # on a machine other processes share
 
 Recompute is timed as the prefill step of an n-token prompt; swap as copying the sequence's blocks to the tier and
 back (`offload.KVTier.save` + `load`). The disk tier is a memory-mapped file: its writes land in the page cache
@@ -32,7 +33,10 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens for the TTFT comparison")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="prefixes measured for TTFT; the least time counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
     block_size = args.block_size
     model, tokenizer = load_hf_model()
