@@ -68,6 +68,7 @@ def test_a_swap_out_frame_draws_the_blocks_in_the_swap_tier_and_frames_what_move
 def test_the_player_holds_one_frame_per_step(frames):
     _, frames = frames
     assert len(player_frames(tier_player(frames))) == len(frames)
+    assert player_frames(tier_player(frames, start=3))[3] == tier_snapshot_html(frames[3])
 
 
 def test_the_plots_draw_one_line_per_series_and_one_bar_per_case():

@@ -123,8 +123,9 @@ def tier_snapshot_html(snap: TierSnapshot) -> str:
             f"{html.escape(snap.caption)}</div>{body}</div>")
 
 
-def tier_player(frames: list[TierSnapshot], interval_ms: int = 800):
-    return player([tier_snapshot_html(f) for f in frames], interval_ms, label="step")
+def tier_player(frames: list[TierSnapshot], interval_ms: int = 800, start: int = 0):
+    """A player over the frames, opening on frame `start`."""
+    return player([tier_snapshot_html(f) for f in frames], interval_ms, start=start, label="step")
 
 
 def plot_crossover(lengths, series: dict[str, list[float]], title: str, ylabel: str = "seconds"):
