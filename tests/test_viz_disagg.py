@@ -6,7 +6,7 @@ from html.parser import HTMLParser
 import matplotlib.pyplot as plt
 
 from helpers import player_frames
-from paged.viz.ch10_disaggregation import handoff_frame_html, handoff_player, handoff_replay, plot_token_gaps
+from paged.viz.ch10_disaggregation import handoff_frame_html, handoff_player, handoff_replay, plot_decode_gaps
 
 
 class Blocks(HTMLParser):
@@ -47,7 +47,7 @@ def test_the_frame_html_draws_every_block_and_marks_the_one_in_flight():
     assert len(player_frames(handoff_player(frames))) == len(frames)
 
 
-def test_plot_token_gaps_draws_one_line_per_configuration():
-    ax = plot_token_gaps({"colocated": [0.01, 0.5, 0.01], "disaggregated": [0.01, 0.01, 0.01]})
+def test_plot_decode_gaps_draws_one_line_per_configuration():
+    ax = plot_decode_gaps({"colocated": [0.01, 0.5, 0.01], "disaggregated": [0.01, 0.01, 0.01]})
     assert len(ax.lines) == 2 and ax.get_yscale() == "log"
     plt.close(ax.figure)

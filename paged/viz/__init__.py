@@ -15,6 +15,7 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch08_chunked_prefill_goodput   §12-§13 token gaps, latency distributions, goodput
     ch09_speculative_decoding      §14     verify steps and their blocks, speedup against acceptance and batch, token histograms
     ch10_offload                   §15     the memory tiers, blocks moving out and back, swap-or-recompute
+    ch10_disaggregation            §15     the prefill-to-decode handoff block by block, decode gaps
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -36,6 +37,7 @@ from paged.viz.ch07_continuous_batching import (TIMELINE_STATES, schedule_captio
 from paged.viz.ch08_chunked_prefill_goodput import empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps
 from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_speedup_vs_batch, plot_token_histograms,
                                                record_verifies, verify_steps_html)
+from paged.viz.ch10_disaggregation import handoff_player, handoff_replay, plot_decode_gaps
 from paged.viz.ch10_offload import (TIERS, plot_crossover, plot_ttft_tiers, record_tier_frames, tier_player,
                                     tier_snapshot_html, tiers_html)
 from paged.viz.common import PALETTE, html_table, player

@@ -97,7 +97,7 @@ def handoff_player(frames: list[HandoffFrame], interval_ms: int = 900):
     return player([handoff_frame_html(f) for f in frames], interval_ms=interval_ms, label="step")
 
 
-def plot_token_gaps(gaps_by_name: dict[str, list[float]], ax=None):
+def plot_decode_gaps(gaps_by_name: dict[str, list[float]], ax=None):
     """Each running request's gaps between tokens, in order, one line per configuration (milliseconds)."""
     ax = ax or plt.subplots(figsize=(8, 3))[1]
     for name, gaps in gaps_by_name.items():
