@@ -14,6 +14,7 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch07_continuous_batching       §11     the timeline of a replay
     ch08_chunked_prefill_goodput   §12-§13 token gaps, latency distributions, goodput
     ch09_speculative_decoding      §14     verify steps and their blocks, speedup curves, token histograms
+    ch11_multi_lora                §16     the low-rank update, adapter indices per token, slots, memory, styles
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -35,4 +36,7 @@ from paged.viz.ch07_continuous_batching import (TIMELINE_STATES, schedule_captio
 from paged.viz.ch08_chunked_prefill_goodput import empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps
 from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_token_histograms, record_verifies,
                                                verify_steps_html)
+from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, memory_rows,
+                                       memory_table_html, plot_lora_update, segments, slot_player, slot_replay,
+                                       slot_snapshot_html, token_indices_html)
 from paged.viz.common import PALETTE, html_table, player
