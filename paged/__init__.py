@@ -1,6 +1,7 @@
 """paged: PagedAttention from first principles. A small, real inference engine with vLLM's offline API."""
 
 from .engine import LLM, LLMEngine
+from .lora import LoRARequest
 from .sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams"]

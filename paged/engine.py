@@ -8,6 +8,7 @@ not at all: if it is interrupted (KeyboardInterrupt, an error in a forward obser
 sequences are rolled back to be recomputed and nothing it did not compute stays in the prefix cache.
 """
 
+import contextlib
 import itertools
 import time
 
@@ -19,6 +20,7 @@ from .block_manager import BlockManager, cdiv
 from .geometry import KVGeometry
 from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
+from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -33,7 +35,8 @@ class LLMEngine:
                  kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
                  enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter,
-                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None):
+                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16):
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
@@ -44,7 +47,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=self.device)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
+        self.lora = LoRAManager(model, max_loras, max_lora_rank) if enable_lora else None  # guide §16
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                   max_loras=self.lora.max_loras if self.lora is not None else None)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = eos_token_ids(model.config)
         self.requests: dict[str, Request] = {}
@@ -58,8 +63,10 @@ class LLMEngine:
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenize and validate one prompt; raises ValueError and changes nothing if it cannot be served."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     lora_request: LoRARequest | None = None) -> Request:
+        """Tokenize and validate one prompt; raises ValueError and changes nothing if it cannot be served.
+        With lora_request the request runs under that adapter, read and checked here the first time it is seen."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
@@ -90,7 +97,13 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()))
+        if lora_request is not None:  # last: an adapter is registered only for a request that passed every check
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine made with enable_lora=True")
+            self.lora.resolve(lora_request)
+        return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()),
+                       cache_key=lora_request.lora_int_id if lora_request is not None else None,
+                       lora_request=lora_request)
 
     def _next_request_id(self) -> str:
         """A fresh automatic id, skipping any a caller chose for a request still in flight."""
@@ -250,6 +263,9 @@ class LLMEngine:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
         # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
         batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
+        lora_batch = None
+        if self.lora is not None:  # each adapter's tokens side by side, its adapter in a slot (guide §16)
+            batch, lora_batch = self.lora.prepare_step(batch, self.scheduler.running)
         chunks, sampled_seqs = [], []
         for seq, num_new in batch:
             tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
@@ -263,7 +279,7 @@ class LLMEngine:
         if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
             sources, targets = zip(*plan.blocks_to_copy)
             self.kv_cache.copy_blocks(list(sources), list(targets))
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices, lora=lora_batch)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
         return sampled_seqs, logits
@@ -349,7 +365,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
                  preemption_mode: str = "recompute", attention_backend: str | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, enable_lora: bool = False, max_loras: int = 1,
+                 max_lora_rank: int = 16):
         spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -374,20 +391,29 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                speculative_config=spec_config, draft_model=draft)
+                                speculative_config=spec_config, draft_model=draft,
+                                enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+                 use_tqdm: bool = True, lora_request: LoRARequest | list | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`. lora_request: one adapter
+        for every prompt, or a list with one per prompt (None entries run on the base model)."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        elif not isinstance(lora_request, (list, tuple)) or len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request must be a LoRARequest, None, or a list of one per prompt "
+                             f"({len(prompts)}), got {lora_request!r}")
         engine = self.engine
         engine.require_idle("generate")
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]  # validate all first
+        with engine.lora.transaction() if engine.lora is not None else contextlib.nullcontext():
+            requests = [engine.make_request(p, sp, lora_request=lr)  # validate all first
+                        for p, sp, lr in zip(prompts, sampling_params, lora_request)]
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:
@@ -413,3 +439,9 @@ class LLM:
 
     def spec_stats(self) -> dict:
         return self.engine.spec_stats()
+
+    def lora_stats(self) -> dict:
+        """The adapters registered, the slots' contents, loads and evictions (guide §16); needs enable_lora=True."""
+        if self.engine.lora is None:
+            raise ValueError("lora_stats needs an engine made with enable_lora=True")
+        return self.engine.lora.stats()

@@ -84,6 +84,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate, inplace=True).mul_(up)
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str) -> torch.Tensor:
+    """x [num_tokens, in] @ weight^T [in, out], plus each token's LoRA update when the step has adapters (guide §16)."""
+    out = F.linear(x, weight)
+    if lora is not None:
+        lora.add(layer, name, x, out)
+    return out
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor   # [hidden]
@@ -134,8 +142,9 @@ class PagedLlama:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] in fp32."""
+                kv_cache, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] in fp32.
+        lora (a paged.lora.LoRABatch, guide §16) adds each token's adapter update to the projections it targets."""
         num_tokens = input_ids.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Row lookups go through F.embedding: on a CPU, advanced indexing (tensor[ids]) can be many times slower.
@@ -143,14 +152,15 @@ class PagedLlama:
         hidden = F.embedding(input_ids, self.embed_tokens)                          # [num_tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
-            qk, v = F.linear(x, layer.qkv).split([q_size + kv_size, kv_size], dim=-1)
+            qk, v = project(x, layer.qkv, lora, index, "qkv").split([q_size + kv_size, kv_size], dim=-1)
             qk = self.backend.rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
-            hidden += F.linear(out.view(num_tokens, q_size), layer.o)
+            hidden += project(out.view(num_tokens, q_size), layer.o, lora, index, "o")
             x = rms_norm(hidden, layer.post_norm, self.eps)
-            hidden += F.linear(self.backend.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            act = self.backend.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
+            hidden += project(act, layer.down, lora, index, "down")
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
         return F.linear(last, self.lm_head).float()                         # [num_logits, vocab]
 

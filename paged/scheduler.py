@@ -6,7 +6,8 @@ Every step it fills a token budget (`max_num_batched_tokens`):
      is preempted (its blocks freed, to be recomputed later) until there is room;
   2. then waiting sequences in arrival order, admitted while the block manager answers OK and their seats fit
      `max_num_seqs` (a request with n completions takes n seats: its forks run as soon as its prompt is done);
-     a prompt whose leading blocks are in the prefix cache starts past them. With chunked prefill a prompt may
+     a prompt whose leading blocks are in the prefix cache starts past them; with LoRA, only while the running
+     sequences then use at most `max_loras` distinct adapters (guide §16). With chunked prefill a prompt may
      take only part of the remaining budget; a preempted sequence is recomputed in chunks in any case, since its
      prompt and output together may exceed the budget.
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
@@ -34,7 +35,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False):
+                 enable_chunked_prefill: bool = False, max_loras: int | None = None):
         max_num_seqs = integer("max_num_seqs", max_num_seqs, low=1)
         max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens, low=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -44,6 +45,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # distinct adapters the running sequences may use at once; None: no LoRA
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
@@ -80,7 +82,7 @@ class Scheduler:
         seats = sum(seq.num_seats for seq in self.running)
         while self.waiting and not out.preempted and budget > 0:
             seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
-            if seats + seq.num_seats > self.max_num_seqs:
+            if seats + seq.num_seats > self.max_num_seqs or not self._adapter_fits(seq):
                 break
             hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
             num_cached = len(hits) * self.block_manager.block_size
@@ -103,6 +105,15 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether seq's adapter is already running or a slot is left for it, so a step never needs more adapters
+        than there are slots."""
+        lora_id = seq.request.lora_int_id
+        if self.max_loras is None or not lora_id:
+            return True
+        running = {s.request.lora_int_id for s in self.running} - {0}
+        return lora_id in running or len(running) < self.max_loras
 
     def _schedule(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         """Put seq in this step and register the blocks the step fills in the prefix cache now, as vLLM does:

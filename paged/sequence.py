@@ -95,10 +95,16 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
     cache_key: object = None  # extra key mixed into prefix-cache hashes (an adapter's name, say)
+    lora_request: object = None  # the paged.lora.LoRARequest it runs under, or None for the base model (guide §16)
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
 
 @dataclass

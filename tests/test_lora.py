@@ -1,0 +1,258 @@
+"""Multi-LoRA serving (guide §16) against PEFT on transformers, on the tiny random Llama.
+
+Adapters are made with PEFT itself (get_peft_model, B drawn at random since PEFT starts it at zero, then
+save_pretrained), so the files are exactly what PEFT writes; PEFT's model, unmerged and merged, is the oracle.
+"""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from helpers import assert_pool_empty, make_tiny_llm, tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from paged import LoRARequest, SamplingParams
+from paged.lora import TARGET_MODULES, lora_ops
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
+
+
+def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
+    """A PEFT LoRA on the tiny Llama with random A and B, saved to path; returns (path, the PEFT model)."""
+    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r),
+                                                         target_modules=list(targets), lora_dropout=0.0, **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * (0.4 / param.shape[-1] ** 0.5))
+    peft_model.save_pretrained(str(path))
+    return str(path), peft_model.eval()
+
+
+def hf_greedy(model, prompt, max_tokens=GREEDY.max_tokens) -> list[int]:
+    """transformers' greedy tokens, EOS ignored as GREEDY does (a plain loop: generate would stop or mask EOS)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: on a machine other processes load, torch's thread pool costs more than it gives."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Three adapters of different shapes: (LoRARequest, PEFT model) each."""
+    root = tmp_path_factory.mktemp("adapters")
+    specs = [dict(r=4, targets=("q_proj", "v_proj")),
+             dict(r=16, targets=TARGET_MODULES, use_rslora=True),
+             dict(r=8, targets=("k_proj", "o_proj", "up_proj", "down_proj"), lora_alpha=4,
+                  rank_pattern={"down_proj": 2}, alpha_pattern={"k_proj": 32})]
+    made = []
+    for i, spec in enumerate(specs, start=1):
+        path, peft_model = make_adapter(root / f"adapter{i}", seed=i, **spec)
+        made.append((LoRARequest(f"adapter{i}", i, path), peft_model))
+    return made
+
+
+def lora_llm(**kwargs):
+    kwargs.setdefault("max_loras", 3)
+    return make_tiny_llm(tiny_llama(), enable_lora=True, max_lora_rank=16, **kwargs)
+
+
+def test_greedy_tokens_equal_peft_unmerged_and_merged(adapters):
+    llm = lora_llm()
+    base = tiny_llama()
+    for request, peft_model in adapters:
+        ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+        assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
+        assert ours != [hf_greedy(base, p) for p in PROMPTS]   # the adapter does change the answers
+    for request, peft_model in adapters:                       # merged: W + s B A in the weights
+        merged = get_peft_model(tiny_llama(), peft_model.peft_config["default"])
+        merged.load_state_dict(peft_model.state_dict())
+        merged = merged.merge_and_unload().eval()
+        ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+        assert ours == [hf_greedy(merged, p) for p in PROMPTS]
+    assert_pool_empty(llm)
+
+
+def test_a_mixed_batch_equals_each_request_alone(adapters):
+    """Adapters and base requests in one batch, with chunked prefill so that decodes and prefills of different
+    adapters share steps: every request's tokens are the ones it gets alone."""
+    choices = [None] + [request for request, _ in adapters]
+    rng = random.Random(0)
+    prompts = [rng.choices(range(1, 250), k=rng.randint(1, 40)) for _ in range(14)]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    rng.shuffle(loras)
+    llm = lora_llm(enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=8)
+    mixed = tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+    alone = [tokens(llm.generate([p], GREEDY, lora_request=lr, use_tqdm=False))[0] for p, lr in zip(prompts, loras)]
+    assert mixed == alone
+    assert len({tuple(t) for t in mixed}) > 1
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_adapters_match_peft(tmp_path, seed):
+    """Rank 1-16 on a random non-empty set of target modules, random alpha, sometimes rsLoRA."""
+    rng = random.Random(seed)
+    targets = rng.sample(TARGET_MODULES, rng.randint(1, len(TARGET_MODULES)))
+    r = rng.randint(1, 16)
+    path, peft_model = make_adapter(tmp_path / "a", seed=100 + seed, r=r, targets=targets,
+                                    lora_alpha=rng.choice([1, r, 2 * r, 32]), use_rslora=rng.random() < 0.3)
+    llm = lora_llm(max_loras=1)
+    request = LoRARequest("random", 7, path)
+    ours = tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False))
+    assert ours == [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+
+
+def test_prefix_cache_is_keyed_by_adapter(adapters):
+    """One prompt under one adapter twice shares its full blocks; under two adapters, or adapter and base, never."""
+    (first, _), (second, _) = adapters[0], adapters[1]
+    prompt = list(range(40, 75))                  # 35 tokens: 4 full blocks of 8
+    llm = lora_llm(enable_prefix_caching=True)
+    plain = lora_llm()
+
+    def hits(lora_request):
+        before = llm.kv_stats()["prefix_hit_tokens"]
+        out = tokens(llm.generate([prompt], GREEDY, lora_request=lora_request, use_tqdm=False))[0]
+        assert out == tokens(plain.generate([prompt], GREEDY, lora_request=lora_request, use_tqdm=False))[0]
+        return llm.kv_stats()["prefix_hit_tokens"] - before
+
+    assert hits(first) == 0
+    assert hits(first) == 32                      # the same adapter: every full block of the prompt is shared
+    assert hits(second) == 0                      # another adapter: nothing, though the tokens are the same
+    assert hits(None) == 0                        # nor the base model
+    assert hits(second) == 32 and hits(None) == 32
+    assert_pool_empty(llm)
+
+
+def test_slot_eviction_and_reload_keep_outputs(adapters):
+    """Three adapters through one slot: the scheduler runs one adapter at a time (plus base requests), slots are
+    evicted and reloaded, and every request still gets its own tokens."""
+    requests = [request for request, _ in adapters]
+    alone = {r.lora_int_id: tokens(lora_llm().generate(PROMPTS, GREEDY, lora_request=r, use_tqdm=False))
+             for r in requests}
+    llm = lora_llm(max_loras=1)
+    distinct = []
+    llm.engine.forward_observers.append(lambda plan: distinct.append(
+        {seq.request.lora_int_id for seq, _ in plan.scheduled} - {0}))
+    order = [requests[i % 3] for i in range(9)] + [None]
+    outs = tokens(llm.generate([PROMPTS[i % 4] for i in range(10)], GREEDY, lora_request=order, use_tqdm=False))
+    for i, (out, request) in enumerate(zip(outs, order)):
+        if request is not None:
+            assert out == alone[request.lora_int_id][i % 4]
+    assert max(len(d) for d in distinct) == 1                   # never more adapters in a step than slots
+    stats = llm.lora_stats()
+    assert stats["num_evictions"] >= 2 and stats["num_loads"] == stats["num_evictions"] + 1
+    # and once more through the same engine, reloading what was evicted
+    assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=requests[0], use_tqdm=False)) == alone[1]
+    assert_pool_empty(llm)
+
+
+def test_the_scheduler_admits_at_most_max_loras_adapters(adapters):
+    llm = lora_llm(max_loras=2)
+    running = []
+    llm.engine.forward_observers.append(lambda plan: running.append(
+        {seq.request.lora_int_id for seq in llm.engine.scheduler.running} - {0}))
+    requests = [request for request, _ in adapters]
+    llm.generate(PROMPTS * 3, GREEDY, lora_request=[requests[i % 3] for i in range(12)], use_tqdm=False)
+    assert max(len(r) for r in running) == 2
+    assert llm.lora_stats()["num_evictions"] >= 1
+
+
+def test_the_triton_kernel_serves_the_same_tokens(adapters):
+    """The engine with the Triton shrink/expand (Triton's interpreter on a CPU) gives the reference's tokens."""
+    request, peft_model = adapters[1]
+    llm = lora_llm()
+    llm.engine.lora.shrink, llm.engine.lora.expand = lora_ops("triton")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ours = tokens(llm.generate(PROMPTS[:2], params, lora_request=request, use_tqdm=False))
+    assert ours == [hf_greedy(peft_model, p, max_tokens=4) for p in PROMPTS[:2]]
+
+
+# ---- bad input: a ValueError naming it; the engine stays usable and nothing is half-loaded -------------------
+
+def broken_copy(tmp_path, source, name, change_config=None, config_text=None):
+    """A copy of the adapter folder source with its config changed."""
+    folder = tmp_path / name
+    folder.mkdir()
+    with open(os.path.join(source, "adapter_config.json")) as f:
+        config = json.load(f)
+    if change_config:
+        change_config(config)
+    (folder / "adapter_config.json").write_text(config_text if config_text is not None else json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(open(os.path.join(source, "adapter_model.safetensors"),
+                                                            "rb").read())
+    return str(folder)
+
+
+def test_bad_adapters_raise_and_leave_the_engine_usable(adapters, tmp_path):
+    (good, _), (big, _) = adapters[0], adapters[1]
+    llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
+    expected = tokens(llm.generate(PROMPTS, GREEDY, lora_request=good, use_tqdm=False))
+    before = llm.lora_stats()
+    slots_before = [t.clone() for t in llm.engine.lora.slots.lora_b[0].values()]
+
+    def drop(key):
+        return lambda config: config.pop(key)
+
+    def set_targets(config):
+        config["target_modules"] = ["q_proj", "c_attn"]
+
+    bad = [
+        (LoRARequest("missing", 5, str(tmp_path / "nowhere")), "lora_path"),
+        (LoRARequest("json", 5, broken_copy(tmp_path, good.lora_path, "json", config_text="{not json")),
+         "adapter_config.json .* malformed"),
+        (LoRARequest("no_r", 5, broken_copy(tmp_path, good.lora_path, "no_r", drop("r"))), "r must be"),
+        (LoRARequest("big", 5, big.lora_path), "max_lora_rank"),
+        (LoRARequest("zero", 0, good.lora_path), "lora_int_id"),
+        (LoRARequest("other_name", good.lora_int_id, good.lora_path), "lora_int_id 1 already names"),
+        (LoRARequest("targets", 5, broken_copy(tmp_path, good.lora_path, "targets", set_targets)), "c_attn"),
+        ("adapter1", "lora_request must be a LoRARequest"),
+    ]
+    for lora_request, message in bad:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(PROMPTS, GREEDY, lora_request=lora_request, use_tqdm=False)
+    # a batch with one good new adapter and one bad one is refused whole: the good one is not registered either
+    new_good = LoRARequest("fresh", 9, adapters[2][0].lora_path)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[new_good, LoRARequest("big", 5, big.lora_path)],
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[good], use_tqdm=False)
+    assert llm.lora_stats() == before
+    assert all(torch.equal(a, b) for a, b in zip(slots_before, llm.engine.lora.slots.lora_b[0].values()))
+    assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=good, use_tqdm=False)) == expected
+    assert_pool_empty(llm)
+
+
+def test_a_lora_request_needs_enable_lora(adapters):
+    llm = make_tiny_llm(tiny_llama())
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.generate(PROMPTS, GREEDY, lora_request=adapters[0][0], use_tqdm=False)
+    with pytest.raises(ValueError, match="enable_lora"):
+        llm.lora_stats()
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == [hf_greedy(tiny_llama(), p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kwargs,message", [(dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
+                                            (dict(max_loras=1.5), "max_loras")])
+def test_bad_lora_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
