@@ -7,9 +7,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from helpers import player_frames
-from paged.viz import (BASE_COLOUR, adapter_colour, batch_outputs_html, memory_rows, plot_lora_update, segments,
-                       slot_player, slot_replay, slot_snapshot_html, token_indices_html)
+import torch
+from helpers import assert_pool_empty, make_tiny_llm, player_frames, tiny_llama
+from peft import LoraConfig, get_peft_model
+
+from paged import LoRARequest, SamplingParams
+from paged.viz import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, memory_rows, plot_lora_update,
+                       record_lora_step, segments, slot_player, slot_replay, slot_snapshot_html, token_indices_html)
 
 
 class Tags(HTMLParser):
@@ -51,33 +55,37 @@ def test_token_indices_html_gives_every_token_its_slot_index():
     assert "<x>" in tags.text and "␣is" in tags.text and "5 tokens in this step" in tags.text
 
 
-def test_slot_replay_loads_into_empty_slots_then_evicts_the_least_recently_used():
-    frames = slot_replay(2, ["a", "b", "c"], [["a"], ["b"], ["a"], ["c"], ["b"]])
+@pytest.fixture(scope="module")
+def lora_requests(tmp_path_factory):
+    """Three PEFT adapters on the tiny Llama (random A and B), as LoRARequests named a, b, c."""
+    root, requests = tmp_path_factory.mktemp("adapters"), []
+    for lora_id, name in enumerate("abc", start=1):
+        peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():
+            for param_name, param in peft_model.named_parameters():
+                if "lora_" in param_name:
+                    param.normal_(0, 0.2, generator=torch.Generator().manual_seed(lora_id))
+        peft_model.save_pretrained(str(root / name))
+        requests.append(LoRARequest(name, lora_id, str(root / name)))
+    return dict(zip("abc", requests))
+
+
+def test_slot_replay_follows_the_engine_least_recently_used_out(lora_requests):
+    a, b, c = lora_requests["a"], lora_requests["b"], lora_requests["c"]
+    llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
+    frames = slot_replay(llm, [1, 2, 3, 4, 5], [[a], [b], [a], [c], [b, c]])
     assert [f.slots for f in frames] == [(None, None), ("a", None), ("a", "b"), ("a", "b"), ("a", "c"),
                                         ("b", "c")]
     assert frames[3].loaded == () and "already in a slot" in frames[3].caption
-    assert frames[4].evicted == ("b",) and frames[4].loaded == ("c",)   # b was last used at step 2, a at step 3
-    assert frames[5].evicted == ("a",)                                   # now a (step 3) is older than c (step 4)
-
-
-def test_slot_replay_keeps_the_adapters_a_step_needs():
-    frames = slot_replay(2, ["a", "b", "c"], [["a"], ["b"], ["a", "c"]])
-    # b is the most recently used, but a is wanted again: c must take b's slot, never a's
-    assert frames[-1].slots == ("a", "c") and frames[-1].evicted == ("b",)
-    for before, after in zip(frames, frames[1:]):
-        assert set(after.wanted) <= set(after.slots)
-        assert len({s for s in after.slots if s}) == len([s for s in after.slots if s])   # never twice resident
-
-
-def test_slot_replay_refuses_more_adapters_than_slots_or_unknown_ones():
-    with pytest.raises(ValueError, match="max_loras is 1"):
-        slot_replay(1, ["a", "b"], [["a", "b"]])
-    with pytest.raises(ValueError, match="registry does not hold"):
-        slot_replay(2, ["a"], [["z"]])
+    assert frames[4].evicted == ("b",) and frames[4].loaded == ("c",)   # b was last used by batch 2, a by batch 3
+    assert frames[5].evicted == ("a",) and frames[5].wanted == ("b", "c")
+    assert frames[-1].registry == ("a", "b", "c")
+    assert llm.lora_stats()["num_loads"] == sum(len(f.loaded) for f in frames) == 4
+    assert_pool_empty(llm)
 
 
 def test_slot_html_marks_resident_wanted_and_loaded_adapters():
-    frame = slot_replay(2, ["a", "b", "c"], [["a"], ["b"], ["c"]])[-1]
+    frame = SlotSnapshot(slots=("c", "b"), registry=("a", "b", "c"), wanted=("c",), loaded=("c",), evicted=("a",))
     tags = Tags(slot_snapshot_html(frame))
     assert [s["data-adapter"] for s in tags.by_class["slot"]] == ["c", "b"]
     assert {e["data-adapter"]: e["data-resident"] for e in tags.by_class["registry-entry"]} == {
@@ -87,8 +95,22 @@ def test_slot_html_marks_resident_wanted_and_loaded_adapters():
 
 
 def test_slot_player_holds_every_frame_and_starts_on_the_first():
-    frames = slot_replay(1, ["a", "b"], [["a"], ["b"]])
+    frames = [SlotSnapshot((None,), ("a",), (), (), ()), SlotSnapshot(("a",), ("a",), ("a",), ("a",), ())]
     assert player_frames(slot_player(frames)) == [slot_snapshot_html(f) for f in frames]
+
+
+def test_record_lora_step_lays_each_adapter_side_by_side(lora_requests):
+    a, b = lora_requests["a"], lora_requests["b"]
+    llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for prompt, request in [([5, 6, 7], b), ([8, 9], None), ([10, 11, 12, 13], a), ([14, 15], b)]:
+        engine.add_request(engine.make_request(prompt, params, lora_request=request))
+    laid_out, slots = record_lora_step(engine)
+    assert [row["adapter"] for row in laid_out] == [None, "a", "b", "b"]   # base first, then by adapter id
+    assert [row["token_ids"] for row in laid_out] == [[8, 9], [10, 11, 12, 13], [5, 6, 7], [14, 15]]
+    assert sorted(s for s in slots if s) == ["a", "b"]
+    assert "prepare_step" not in vars(engine.lora)   # the recorder is gone again
 
 
 def test_memory_rows_set_one_base_plus_adapters_against_merged_copies():

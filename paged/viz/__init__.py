@@ -36,7 +36,7 @@ from paged.viz.ch07_continuous_batching import (TIMELINE_STATES, schedule_captio
 from paged.viz.ch08_chunked_prefill_goodput import empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps
 from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_token_histograms, record_verifies,
                                                verify_steps_html)
-from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, memory_rows,
-                                       memory_table_html, plot_lora_update, segments, slot_player, slot_replay,
-                                       slot_snapshot_html, token_indices_html)
+from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, engine_slots,
+                                       memory_rows, memory_table_html, plot_lora_update, record_lora_step, segments,
+                                       slot_player, slot_replay, slot_snapshot_html, token_indices_html)
 from paged.viz.common import PALETTE, html_table, player

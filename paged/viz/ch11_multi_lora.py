@@ -90,46 +90,43 @@ class SlotSnapshot:
     """The adapters resident in slots, the host registry, and what the step that led here did."""
     slots: tuple[str | None, ...]   # the adapter in each slot (None: empty)
     registry: tuple[str, ...]       # every adapter the host knows, in the order it was registered
-    wanted: tuple[str, ...]         # the adapters this step's batch needs
-    loaded: tuple[str, ...]         # copied from the host into a slot for this step
+    wanted: tuple[str, ...]         # the adapters the batch that led here needed
+    loaded: tuple[str, ...]         # copied from the host into a slot for it
     evicted: tuple[str, ...]        # sent out of their slot to make room
     caption: str = ""
 
 
-def slot_replay(max_loras: int, registry: list[str], steps: list[list[str]]) -> list[SlotSnapshot]:
-    """What slots do over a run of steps, by the rule the scheduler keeps: a step needs at most `max_loras` distinct
-    adapters; one already in a slot stays; one that is not goes into an empty slot, or else into the slot of the
-    least recently used adapter this step does not need. One snapshot before the first step and one after each."""
-    slots: list[str | None] = [None] * max_loras
-    last_used: dict[str, int] = {}
-    frames = [SlotSnapshot(tuple(slots), tuple(registry), (), (), (),
-                           f"{max_loras} slots, empty; {len(registry)} adapters in the host registry")]
-    for step, wanted in enumerate(steps, start=1):
-        wanted = list(dict.fromkeys(wanted))
-        unknown = [name for name in wanted if name not in registry]
-        if unknown:
-            raise ValueError(f"step {step} wants {unknown}, which the registry does not hold")
-        if len(wanted) > max_loras:
-            raise ValueError(f"step {step} wants {len(wanted)} adapters; max_loras is {max_loras}")
-        loaded, evicted = [], []
-        for name in wanted:
-            if name in slots:
-                continue
-            if None in slots:
-                slot = slots.index(None)
-            else:
-                idle = [i for i, held in enumerate(slots) if held not in wanted]
-                slot = min(idle, key=lambda i: last_used[slots[i]])
-                evicted.append(slots[slot])
-            slots[slot] = name
-            loaded.append(name)
-        for name in wanted:
-            last_used[name] = step
-        caption = (f"step {step} needs {', '.join(wanted) or 'no adapter'}"
+def engine_slots(engine, wanted: tuple = (), loaded: tuple = (), evicted: tuple = (),
+                 caption: str = "") -> SlotSnapshot:
+    """A SlotSnapshot of a LoRA engine (enable_lora=True): its slots and its host registry, by adapter name."""
+    manager = engine.lora
+    names = {lora_id: adapter.name for lora_id, adapter in manager.registry.items()}
+    return SlotSnapshot(tuple(names.get(lora_id) for lora_id in manager.slots.slot_ids),
+                        tuple(names.values()), tuple(wanted), tuple(loaded), tuple(evicted), caption)
+
+
+def slot_replay(llm, prompt, steps: list[list]) -> list[SlotSnapshot]:
+    """Drive a LoRA engine one batch per entry of `steps` (a list of LoRARequests): the prompt under each of them,
+    one token each, so that the batch is one step and leaves; a snapshot of the slots before the first and after
+    each. Which slot an adapter gets, and which adapter leaves, is the engine's own doing."""
+    from paged.sampling import SamplingParams
+
+    engine = llm.engine
+    frames = [engine_slots(engine, caption=f"{engine.lora.max_loras} slots, "
+                                           f"{len(engine.lora.registry)} adapters in the host registry")]
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    for step, requests in enumerate(steps, start=1):
+        before = frames[-1].slots
+        llm.generate([prompt] * len(requests), one_token, lora_request=list(requests), use_tqdm=False)
+        after = engine_slots(engine).slots
+        changed = [(old, new) for old, new in zip(before, after) if old != new]
+        loaded = tuple(new for _, new in changed)
+        evicted = tuple(old for old, _ in changed if old is not None)
+        wanted = tuple(dict.fromkeys(request.lora_name for request in requests))
+        caption = (f"batch {step} needs {', '.join(wanted)}"
                    + (f"; loads {', '.join(loaded)}" if loaded else "; every one already in a slot")
                    + (f"; evicts {', '.join(evicted)} (least recently used)" if evicted else ""))
-        frames.append(SlotSnapshot(tuple(slots), tuple(registry), tuple(wanted), tuple(loaded), tuple(evicted),
-                                   caption))
+        frames.append(engine_slots(engine, wanted, loaded, evicted, caption))
     return frames
 
 
@@ -162,7 +159,30 @@ def slot_snapshot_html(snap: SlotSnapshot) -> str:
 
 def slot_player(frames: list[SlotSnapshot], interval_ms: int = 1200) -> widgets.VBox:
     """A player over slot snapshots; its first frame is on show before anything moves."""
-    return player([slot_snapshot_html(frame) for frame in frames], interval_ms, label="step")
+    return player([slot_snapshot_html(frame) for frame in frames], interval_ms, label="batch")
+
+
+def record_lora_step(engine) -> tuple[list[dict], list[str | None]]:
+    """Run one engine step and return its batch as the forward pass laid it out (each adapter's tokens side by
+    side): per scheduled sequence its request id, adapter name (None: the base model) and the token ids it brought
+    to the step; and the adapter in each slot during the step. The input of token_indices_html."""
+    manager, laid_out = engine.lora, []
+    prepare_step = manager.prepare_step
+
+    def recording(batch, running):
+        ordered, lora_batch = prepare_step(batch, running)
+        for seq, num_new in ordered:
+            laid_out.append({"request": seq.request.request_id,
+                             "adapter": seq.request.lora_request.lora_name if seq.request.lora_request else None,
+                             "token_ids": seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + num_new]})
+        return ordered, lora_batch
+
+    manager.prepare_step = recording
+    try:
+        engine.step()
+    finally:
+        del manager.prepare_step   # the class's own method again
+    return laid_out, list(engine_slots(engine).slots)
 
 
 def memory_rows(base_bytes: int, adapter_bytes: int, counts: list[int]) -> list[dict]:
