@@ -57,6 +57,6 @@ def test_solutions_are_checked_where_the_reader_has_not_answered(solutions, caps
 
 
 def test_every_chapter_with_exercises_has_its_solutions():
-    for notebook in sorted(CHAPTERS.glob("0[1-9]_*.ipynb")):
+    for notebook in sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb")):
         if "Exercises(" in notebook.read_text():
             assert (CHAPTERS / "solutions" / f"{notebook.stem}.py").exists(), notebook.name
