@@ -10,6 +10,8 @@ fits its block table and every block id it uses is in the pool; kernels/checks.p
 the argument and the limit. The launchers inside the modules skip the checks: a caller that runs many layers
 over the same block tables can check once and call them directly.
 
+kernels/lora.py holds LoRA's shrink and expand over segments of tokens (guide §16), checked against paged.lora.
+
 kernels/cpu.py holds the same three operations for a CPU, in C++ (kernels/cpu_attention.cpp), with the same checks.
 
 Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here unless the environment

@@ -317,6 +317,8 @@ class LoRASlots:
         """Make every adapter in needed (at most max_loras distinct ids) resident; returns id -> slot.
         A slot to fill is an empty one, else the least recently used one whose adapter this step does not need,
         preferring one no running sequence needs (keep) either."""
+        if len(set(needed)) > self.max_loras:  # the scheduler's admission rule keeps this from happening
+            raise RuntimeError(f"a step needs {len(set(needed))} adapters but there are {self.max_loras} slots")
         for lora_id in needed:
             if self.slot_of(lora_id) is None:
                 free = [s for s, held in enumerate(self.slot_ids) if held not in needed]
@@ -337,10 +339,17 @@ class LoRABatch:
 
     def __init__(self, slots: LoRASlots, runs: list[tuple[int, int, int]], shrink, expand, device):
         self.slots, self.shrink, self.expand = slots, shrink, expand
-        self.target_segments = {module: Segments.build([run for run in runs if module in slots.slot_targets[run[2]]],
-                                                       device) for module in TARGET_MODULES}
-        self.fused_segments = {fused: Segments.build([run for run in runs if slots.slot_targets[run[2]] & set(targets)],
-                                                     device) for fused, targets in FUSED_TARGETS.items()}
+        built = {}                                   # the same runs are built once (adapters often target alike)
+
+        def segments(selected):
+            key = tuple(selected)
+            if key not in built:
+                built[key] = Segments.build(selected, device)
+            return built[key]
+        self.target_segments = {module: segments([run for run in runs if module in slots.slot_targets[run[2]]])
+                                for module in TARGET_MODULES}
+        self.fused_segments = {fused: segments([run for run in runs if slots.slot_targets[run[2]] & set(targets)])
+                               for fused, targets in FUSED_TARGETS.items()}
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [num_tokens, out_total] (the fused projection of x [num_tokens, in]) += each token's s * B A x."""
@@ -415,7 +424,8 @@ class LoRAManager:
 
     def prepare_step(self, batch: list, running: list) -> tuple[list, LoRABatch]:
         """batch [(sequence, num_new)], decodes first: each adapter's sequences side by side within the decodes and
-        within the prefills, their adapters made resident, and the step's LoRABatch for the forward pass."""
+        within the prefills, their adapters made resident, and the step's LoRABatch for the forward pass. (The new
+        order only changes which unseeded sampled sequence draws first from the engine's shared generator.)"""
         batch = sorted(batch, key=lambda item: (item[1] > 1, item[0].request.lora_int_id))
         needed = list(dict.fromkeys(seq.request.lora_int_id for seq, _ in batch if seq.request.lora_int_id))
         self.num_steps += 1

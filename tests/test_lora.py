@@ -11,10 +11,12 @@ import random
 import pytest
 import torch
 from helpers import assert_pool_empty, make_tiny_llm, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 
 from paged import LoRARequest, SamplingParams
-from paged.lora import TARGET_MODULES, lora_ops
+from paged.lora import TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
@@ -22,8 +24,9 @@ PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))
 
 def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
     """A PEFT LoRA on the tiny Llama with random A and B, saved to path; returns (path, the PEFT model)."""
+    targets = targets if isinstance(targets, str) else list(targets)     # a string is PEFT's regex form
     peft_model = get_peft_model(tiny_llama(), LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r),
-                                                         target_modules=list(targets), lora_dropout=0.0, **config))
+                                                         target_modules=targets, lora_dropout=0.0, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -107,6 +110,26 @@ def test_a_mixed_batch_equals_each_request_alone(adapters):
     assert_pool_empty(llm)
 
 
+@pytest.mark.parametrize("setting", ["preemption", "speculative"])
+def test_adapters_through_preemption_and_speculation(adapters, setting):
+    """Recomputed after preemption, or verifying ngram drafts: each request keeps its adapter's greedy tokens."""
+    requests = [request for request, _ in adapters] + [None]
+    prompts = [PROMPTS[i % 4] for i in range(8)]
+    loras = [requests[i % 4] for i in range(8)]
+    alone = [tokens(lora_llm().generate([p], GREEDY, lora_request=lr, use_tqdm=False))[0]
+             for p, lr in zip(prompts, loras)]
+    if setting == "preemption":
+        llm = lora_llm(num_blocks=14)
+    else:
+        llm = lora_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)) == alone
+    if setting == "preemption":
+        assert llm.kv_stats()["num_preemptions"] > 0
+    else:
+        assert llm.spec_stats()["num_draft_tokens"] > 0
+    assert_pool_empty(llm)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_adapters_match_peft(tmp_path, seed):
     """Rank 1-16 on a random non-empty set of target modules, random alpha, sometimes rsLoRA."""
@@ -119,6 +142,20 @@ def test_random_adapters_match_peft(tmp_path, seed):
     request = LoRARequest("random", 7, path)
     ours = tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False))
     assert ours == [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+
+
+def test_regex_targets_and_some_layers_match_peft(tmp_path):
+    """target_modules as PEFT's regex string, and layers_to_transform: the weights in the file say where."""
+    regex, regex_model = make_adapter(tmp_path / "regex", seed=5, r=6, targets=r".*layers\.1\..*(gate_proj|v_proj)")
+    layer0, layer0_model = make_adapter(tmp_path / "layer0", seed=6, r=3, targets=("o_proj", "up_proj"),
+                                        layers_to_transform=[0])
+    llm = lora_llm()
+    cases = [(LoRARequest("regex", 3, regex), regex_model, {(1, "gate_proj"), (1, "v_proj")}),
+             (LoRARequest("layer0", 4, layer0), layer0_model, {(0, "o_proj"), (0, "up_proj")})]
+    for request, peft_model, modules in cases:
+        ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+        assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
+        assert llm.engine.lora.registry[request.lora_int_id].weights.keys() == modules
 
 
 def test_prefix_cache_is_keyed_by_adapter(adapters):
@@ -202,6 +239,20 @@ def broken_copy(tmp_path, source, name, change_config=None, config_text=None):
     return str(folder)
 
 
+def test_fan_in_fan_out_is_read_as_peft_reads_it(adapters, tmp_path):
+    """fan_in_fan_out concerns Conv1D layers; on a Llama's nn.Linear projections PEFT turns it off and reads A and B
+    as they are, and so does the engine."""
+    from peft import PeftModel
+
+    request, _ = adapters[0]
+    folder = broken_copy(tmp_path, request.lora_path, "fifo", lambda config: config.update(fan_in_fan_out=True))
+    peft_model = PeftModel.from_pretrained(tiny_llama(), folder).eval()
+    llm = lora_llm()
+    ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("fifo", 8, folder), use_tqdm=False))
+    assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
+    assert ours == tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
+
+
 def test_bad_adapters_raise_and_leave_the_engine_usable(adapters, tmp_path):
     (good, _), (big, _) = adapters[0], adapters[1]
     llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -256,3 +307,33 @@ def test_a_lora_request_needs_enable_lora(adapters):
 def test_bad_lora_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3), min_size=1, max_size=25),
+       max_loras=st.integers(3, 4))
+def test_slots_hold_what_each_step_needs(tiny_slots_model, steps, max_loras):
+    """Whatever the order adapters are needed in: each step's adapters are resident in distinct slots holding their
+    own weights, a slot is filled only when its adapter was not resident, and a needed adapter is never evicted."""
+    slots = LoRASlots(tiny_slots_model, max_loras, 4)
+    gen = torch.Generator().manual_seed(0)
+    registry = {}
+    for lora_id in range(1, 7):
+        a = torch.randn(2, 64, generator=gen)
+        registry[lora_id] = LoRAAdapter(f"a{lora_id}", lora_id, "", 2, {(0, "q_proj"): (a, torch.randn(64, 2))})
+    for step, needed in enumerate(steps, start=1):
+        resident_before = set(slots.slot_ids) - {None}
+        loads_before = slots.num_loads
+        slot_of = slots.activate(needed, registry, keep=set(), step=step)
+        assert sorted(slot_of) == sorted(set(needed)) and len(set(slot_of.values())) == len(slot_of)
+        for lora_id, slot in slot_of.items():
+            assert slots.slot_ids[slot] == lora_id
+            assert torch.equal(slots.lora_a[0]["qkv"][slot, :2], registry[lora_id].weights[(0, "q_proj")][0])
+        assert slots.num_loads - loads_before == len(set(needed) - resident_before)
+        assert len(set(slots.slot_ids) - {None}) <= max_loras
+
+
+@pytest.fixture(scope="module")
+def tiny_slots_model():
+    from paged.model import PagedLlama
+    return PagedLlama(tiny_llama(), "torch")
