@@ -16,6 +16,7 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch09_speculative_decoding      §14     verify steps and their blocks, speedup against acceptance and batch, token histograms
     ch10_offload                   §15     the memory tiers, blocks moving out and back, swap-or-recompute
     ch10_disaggregation            §15     the prefill-to-decode handoff block by block, decode gaps
+    ch11_multi_lora                §16     the low-rank update, adapter indices per token, slots, memory, styles
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -40,4 +41,7 @@ from paged.viz.ch09_speculative_decoding import (plot_speedup_curves, plot_speed
 from paged.viz.ch10_disaggregation import handoff_player, handoff_replay, plot_decode_gaps
 from paged.viz.ch10_offload import (TIERS, plot_crossover, plot_ttft_tiers, record_tier_frames, tier_player,
                                     tier_snapshot_html, tiers_html)
+from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, engine_slots,
+                                       memory_rows, memory_table_html, plot_lora_update, record_lora_step, segments,
+                                       slot_player, slot_replay, slot_snapshot_html, token_indices_html)
 from paged.viz.common import PALETTE, html_table, player
