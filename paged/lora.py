@@ -284,6 +284,7 @@ class LoRASlots:
                                 for fused in FUSED_TARGETS})
         self.slot_ids: list[int | None] = [None] * max_loras   # the adapter id in each slot
         self.slot_targets: list[set[str]] = [set() for _ in range(max_loras)]
+        self.slot_weights: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, target) pairs
         self.last_used = [0] * max_loras                        # the step that last used each slot
         self.num_loads = 0
         self.num_evictions = 0
@@ -311,6 +312,7 @@ class LoRASlots:
             self.lora_b[layer][target.fused][slot, target.offset:target.offset + target.out_features, :r].copy_(b)
         self.slot_ids[slot] = adapter.int_id
         self.slot_targets[slot] = adapter.target_modules
+        self.slot_weights[slot] = set(adapter.weights)
         self.num_loads += 1
 
     def activate(self, needed: list[int], registry: dict[int, LoRAAdapter], keep: set[int], step: int) -> dict:
@@ -334,11 +336,15 @@ class LoRASlots:
 # ---- one step's adapters, for the forward pass ---------------------------------------------------------------
 
 class LoRABatch:
-    """What the forward pass needs to add each token's adapter update: the slots' weights and, per fused projection
-    and per target, the segments of tokens whose adapter has weights there (none: nothing to add)."""
+    """What the forward pass needs to add each token's adapter update: the slots' weights; per fused projection
+    and per target, the segments of tokens whose adapter has weights there; and the (layer, target) pairs where
+    any of this step's adapters has weights. Everywhere else the slots in use hold zeros, so the update there is
+    skipped rather than computed as zero (PEFT's layers_to_transform makes adapters of a few layers only)."""
 
     def __init__(self, slots: LoRASlots, runs: list[tuple[int, int, int]], shrink, expand, device):
         self.slots, self.shrink, self.expand = slots, shrink, expand
+        self.held = set().union(*(slots.slot_weights[slot] for _, _, slot in runs))    # {(layer, target)}
+        self.held_fused = {(layer, slots.slices[module].fused) for layer, module in self.held}
         built = {}                                   # the same runs are built once (adapters often target alike)
 
         def segments(selected):
@@ -353,15 +359,15 @@ class LoRABatch:
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [num_tokens, out_total] (the fused projection of x [num_tokens, in]) += each token's s * B A x."""
-        segments = self.fused_segments[fused]
-        if segments is None:
+        if (layer, fused) not in self.held_fused:    # no adapter of this step has weights here
             return
+        segments = self.fused_segments[fused]
         rank = self.slots.max_rank
         y = self.shrink(x, self.slots.lora_a[layer][fused], segments)       # [num_tokens, num_targets * rank]
         lora_b = self.slots.lora_b[layer][fused]
         for module in FUSED_TARGETS[fused]:
             target, module_segments = self.slots.slices[module], self.target_segments[module]
-            if module_segments is None:
+            if (layer, module) not in self.held:
                 continue
             rows = slice(target.offset, target.offset + target.out_features)
             self.expand(y[:, target.index * rank:(target.index + 1) * rank], lora_b[:, rows], out[:, rows],

@@ -163,6 +163,36 @@ def test_regex_targets_and_some_layers_match_peft(tmp_path):
         assert llm.engine.lora.registry[request.lora_int_id].weights.keys() == modules
 
 
+def test_layers_without_weights_are_skipped(tmp_path):
+    """An adapter of one layer gives PEFT's tokens, and the shrink runs only where some adapter of the step has
+    weights: alone, layer 1's projections; batched with an o_proj adapter of layer 0, that one too."""
+    late, late_model = make_adapter(tmp_path / "late", seed=8, r=4, targets=TARGET_MODULES, layers_to_transform=[1])
+    early, early_model = make_adapter(tmp_path / "early", seed=9, r=2, targets=("o_proj",), layers_to_transform=[0])
+    llm = lora_llm()
+    manager = llm.engine.lora
+    where = {id(a): (layer, fused) for layer, per_layer in enumerate(manager.slots.lora_a)
+             for fused, a in per_layer.items()}
+    calls, shrink = [], manager.shrink
+
+    def counting_shrink(x, lora_a, segments):
+        calls.append(where[id(lora_a)])
+        return shrink(x, lora_a, segments)
+    manager.shrink = counting_shrink
+
+    late_request, early_request = LoRARequest("late", 1, late), LoRARequest("early", 2, early)
+    ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=late_request, use_tqdm=False))
+    assert ours == [hf_greedy(late_model, p) for p in PROMPTS]
+    assert set(calls) == {(1, "qkv"), (1, "o"), (1, "gate_up"), (1, "down")}
+    assert len(calls) == 4 * manager.num_steps                 # one shrink per projection of layer 1, each step
+
+    calls.clear()
+    requests = [late_request, early_request, None, early_request]
+    ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=requests, use_tqdm=False))
+    models = [late_model, early_model, tiny_llama(), early_model]
+    assert ours == [hf_greedy(model, p) for model, p in zip(models, PROMPTS)]
+    assert set(calls) == {(0, "o"), (1, "qkv"), (1, "o"), (1, "gate_up"), (1, "down")}
+
+
 def test_prefix_cache_is_keyed_by_adapter(adapters):
     """One prompt under one adapter twice shares its full blocks; under two adapters, or adapter and base, never."""
     (first, _), (second, _) = adapters[0], adapters[1]
