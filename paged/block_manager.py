@@ -283,11 +283,7 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Drop seq_id's table; blocks nobody else holds go back to the free queue, last block first."""
         self.block_hashes.pop(seq_id, None)
-        for block_id in reversed(self.block_tables.pop(seq_id, [])):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue.append(block)
+        self._release(reversed(self.block_tables.pop(seq_id, [])))
 
     def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Shrink seq_id's table to the blocks that hold its first num_tokens tokens (speculative decoding, guide
@@ -297,12 +293,16 @@ class BlockManager:
         keep = max(cdiv(num_tokens, self.block_size), len(self.block_hashes.get(seq_id, ())))
         dropped = table[keep:][::-1]
         del table[keep:]
-        for block_id in dropped:
+        self._release(dropped)
+        return dropped
+
+    def _release(self, block_ids) -> None:
+        """One table fewer holds each block; a block nobody holds returns to the free queue, in the order given."""
+        for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
-        return dropped
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slots of tokens start..end-1 of seq_id."""

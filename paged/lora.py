@@ -70,10 +70,6 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
     @property
-    def target_modules(self) -> set[str]:
-        return {module for _, module in self.weights}
-
-    @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
@@ -283,7 +279,6 @@ class LoRASlots:
             self.lora_b.append({fused: torch.zeros(max_loras, getattr(layer, fused).shape[0], max_rank, **kwargs)
                                 for fused in FUSED_TARGETS})
         self.slot_ids: list[int | None] = [None] * max_loras   # the adapter id in each slot
-        self.slot_targets: list[set[str]] = [set() for _ in range(max_loras)]
         self.slot_weights: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, target) pairs
         self.last_used = [0] * max_loras                        # the step that last used each slot
         self.num_loads = 0
@@ -292,6 +287,10 @@ class LoRASlots:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.lora_a + self.lora_b for t in layer.values())
+
+    def targets_of(self, slot: int) -> set[str]:
+        """The target modules the adapter in slot has weights for, in any layer."""
+        return {module for _, module in self.slot_weights[slot]}
 
     def slot_of(self, lora_id: int) -> int | None:
         return self.slot_ids.index(lora_id) if lora_id in self.slot_ids else None
@@ -311,7 +310,6 @@ class LoRASlots:
             self.lora_a[layer][target.fused][slot, row:row + r].copy_(a)
             self.lora_b[layer][target.fused][slot, target.offset:target.offset + target.out_features, :r].copy_(b)
         self.slot_ids[slot] = adapter.int_id
-        self.slot_targets[slot] = adapter.target_modules
         self.slot_weights[slot] = set(adapter.weights)
         self.num_loads += 1
 
@@ -352,9 +350,10 @@ class LoRABatch:
             if key not in built:
                 built[key] = Segments.build(selected, device)
             return built[key]
-        self.target_segments = {module: segments([run for run in runs if module in slots.slot_targets[run[2]]])
+        targets_of = {slot: slots.targets_of(slot) for _, _, slot in runs}
+        self.target_segments = {module: segments([run for run in runs if module in targets_of[run[2]]])
                                 for module in TARGET_MODULES}
-        self.fused_segments = {fused: segments([run for run in runs if slots.slot_targets[run[2]] & set(targets)])
+        self.fused_segments = {fused: segments([run for run in runs if targets_of[run[2]] & set(targets)])
                                for fused, targets in FUSED_TARGETS.items()}
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -366,12 +365,12 @@ class LoRABatch:
         y = self.shrink(x, self.slots.lora_a[layer][fused], segments)       # [num_tokens, num_targets * rank]
         lora_b = self.slots.lora_b[layer][fused]
         for module in FUSED_TARGETS[fused]:
-            target, module_segments = self.slots.slices[module], self.target_segments[module]
             if (layer, module) not in self.held:
                 continue
+            target = self.slots.slices[module]
             rows = slice(target.offset, target.offset + target.out_features)
             self.expand(y[:, target.index * rank:(target.index + 1) * rank], lora_b[:, rows], out[:, rows],
-                        module_segments)
+                        self.target_segments[module])
 
 
 # ---- the engine's side: registry, slots, steps ------------------------------------------------------------------

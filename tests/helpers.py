@@ -1,5 +1,7 @@
 """Small helpers the tests share: a tiny random Llama, random prompts, the empty-pool check, a player's frames."""
 
+from collections import Counter
+
 import torch
 from ipywidgets.widgets.widget import _instances as live_widgets
 from ipywidgets.widgets.widget_link import Link
@@ -28,6 +30,18 @@ def random_prompts(count: int, seed: int = 0, low: int = 1, high: int = 60) -> l
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=generator).tolist()
     return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_ref_counts_exact(manager) -> None:
+    """Each block's ref count is the number of block tables holding it, and a block is in the free queue, once,
+    exactly when nobody holds it."""
+    holders = Counter(b for table in manager.block_tables.values() for b in table)
+    free_ids = [block.block_id for block in manager.free_queue]
+    assert len(free_ids) == len(set(free_ids)) == manager.num_free_blocks
+    free = set(free_ids)
+    for block in manager.blocks:
+        assert block.ref_count == holders[block.block_id]          # exact ref counts
+        assert (block.block_id in free) == (block.ref_count == 0)   # free iff nobody holds it
 
 
 def assert_pool_empty(llm: LLM) -> None:

@@ -1,12 +1,11 @@
 """The block manager's invariants under random operation sequences (hypothesis), and its admission answers."""
 
-from collections import Counter
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import assert_ref_counts_exact
 from paged.block_manager import AllocStatus, BlockManager, FreeBlockQueue, Block, NoFreeBlocksError
 
 
@@ -77,12 +76,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         manager = self.manager
-        holders = Counter(b for table in manager.block_tables.values() for b in table)
-        free_ids = [block.block_id for block in manager.free_queue]
-        assert len(free_ids) == len(set(free_ids)) == manager.num_free_blocks
-        for block in manager.blocks:
-            assert block.ref_count == holders[block.block_id]          # exact ref counts
-            assert (block.block_id in set(free_ids)) == (block.ref_count == 0)  # free iff nobody holds it
+        assert_ref_counts_exact(manager)
         for seq_id, table in manager.block_tables.items():
             assert len(table) * manager.block_size >= self.lengths[seq_id]
             assert len(table) == -(-self.lengths[seq_id] // manager.block_size)  # no block more than needed

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+from helpers import assert_pool_empty, assert_ref_counts_exact, make_tiny_llm, random_prompts
 from paged import SamplingParams
 from paged.block_manager import AllocStatus, BlockManager, canonical_extra_key, hash_block_tokens
 from paged.kv_cache import KVCache
@@ -467,15 +467,7 @@ class PoolAndTiers(RuleBasedStateMachine):
     # -- invariants
     @invariant()
     def ref_counts_are_exact_and_nothing_leaks(self):
-        held = {}
-        for table in self.manager.block_tables.values():
-            for block_id in table:
-                held[block_id] = held.get(block_id, 0) + 1
-        free = {block.block_id for block in self.manager.free_queue}
-        for block in self.manager.blocks:
-            assert block.ref_count == held.get(block.block_id, 0)
-            assert (block.ref_count == 0) == (block.block_id in free)
-        assert self.manager.num_free_blocks == len(free)
+        assert_ref_counts_exact(self.manager)
 
     @invariant()
     def a_swapped_sequence_is_in_the_tier_only(self):

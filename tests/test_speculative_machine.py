@@ -1,12 +1,11 @@
 """Speculative decoding's block operations under random sequences of propose / accept / reject / fork / free
 (hypothesis): the pool's books balance, rejected drafts' blocks come back at once, and their slots are reused."""
 
-from collections import Counter
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers import assert_ref_counts_exact
 from paged.block_manager import AllocStatus, BlockManager, cdiv
 
 
@@ -81,12 +80,7 @@ class SpeculativeBlocksMachine(RuleBasedStateMachine):
         if not hasattr(self, "manager"):
             return
         manager = self.manager
-        holders = Counter(b for table in manager.block_tables.values() for b in table)
-        free_ids = {block.block_id for block in manager.free_queue}
-        assert len(free_ids) == manager.num_free_blocks
-        for block in manager.blocks:
-            assert block.ref_count == holders[block.block_id]                  # exact ref counts
-            assert (block.block_id in free_ids) == (block.ref_count == 0)
+        assert_ref_counts_exact(manager)
         for seq_id, table in manager.block_tables.items():
             if seq_id in self.proposed:
                 assert len(table) * manager.block_size >= self.computed[seq_id] + len(self.proposed[seq_id])
