@@ -8,8 +8,8 @@ Version 2 changes the grid to (sequence, KV head, split):
 
   * GQA grouping. One program serves all GROUP query heads of its KV head. It loads a tile of K (and of V) once
     and multiplies it with the [GROUP, head_dim] block of queries, so K/V bytes are read once per KV head instead
-    of once per query head. tl.dot needs every dimension >= 16, so the group is padded to BLOCK_G >= 16 rows;
-    the padding rows hold zeros and are never stored.
+    of once per query head. Older Triton releases refuse a tl.dot with a dimension under 16, so the group is
+    padded to BLOCK_G >= 16 rows; the padding rows hold zeros and are never stored.
   * Split-KV. Each sequence's context is cut into NUM_SPLITS equal runs of tiles; each program computes an
     ordinary online softmax over its run and writes a partial output (already divided by its own sum) and the
     log-sum-exp of its scores, lse = m + log2(l). A second, tiny kernel merges the splits of every head:

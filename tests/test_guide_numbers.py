@@ -1,11 +1,20 @@
-"""The guide's figures (paged/guide_numbers.py): each row recomputed, the verdicts, and the small models behind the
-corrections (speculative tokens per step, page replacement, prompt chunks)."""
+"""The guide's figures (paged/guide_numbers.py): each row recomputed, the verdicts, the small models behind the
+corrections (speculative tokens per step, page replacement, prompt chunks, the roofline's ridge), and that the chapter
+each row names really discusses it."""
+
+import json
+import re
+from pathlib import Path
 
 import pytest
 
-from paged.guide_numbers import (BELADY_REFERENCES, GuideNumber, chunk_sizes, corrections, guide_numbers,
-                                 page_faults, shows_belady_anomaly, table_rows, unaligned_fraction)
+from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
+from paged.guide_numbers import (BELADY_REFERENCES, H100_MEMORY, GuideNumber, chunk_sizes, compute_bound_batch,
+                                 corrections, e2e_formula_holds, guide_numbers, page_faults, shows_belady_anomaly,
+                                 table_rows, unaligned_fraction)
 from paged.speculative import expected_tokens
+
+CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 
 
 @pytest.fixture(scope="module")
@@ -31,40 +40,51 @@ def test_the_figures_the_guide_gets_right(rows):
         "naive: reserved memory holding nothing at a mean of 400 tokens": pytest.approx(100 * (1 - 400 / 2048)),
         "naive: requests a 200 GiB KV budget admits": 320,
         "paged: requests a 200 GiB KV budget admits at a mean of 400": 1638,
+        "paged: 200 requests x 125 MiB": pytest.approx(25000 / 1024),
+        "§8: memory left per card, the same weights over four 80 GB H100s":
+            pytest.approx((81559 * 2 ** 20 - 35.3e9) / 2 ** 30),
     }
 
 
 def test_every_correction_with_its_right_figure(rows):
     fixed = {row.figure: row.computed for row in corrections()}
     assert fixed == {
-        "worst tail waste of one request, block size 16": pytest.approx(4.6875),
+        "§1: reserved KV per KV in use, the paper's measurement (guide: '5-10x')": pytest.approx(1 / 0.382),
+        "naive: 'Used' = 200 requests x 400 tokens x 320 KiB": pytest.approx(25000 / 1024),
+        "§8: the naive batch the 200 GiB budget admits (guide: 'from 64')": 320,
         "time to read those 16 MiB at 3.35 TB/s": pytest.approx(16 * 2 ** 20 / 3.35e12 * 1e6),
-        "paged: 200 requests x 400 tokens x 320 KiB": pytest.approx(25000 / 1024),
-        "memory left per card: 70B fp16 weights on two 80 GB cards": pytest.approx(9.4),
-        "memory left per card: the same weights over four 80 GB cards": pytest.approx((80e9 - 35.3e9) / 2 ** 30),
-        "prefill FLOPs that 1.5 B cached prompt tokens save, Llama-3-70B": pytest.approx(2.118e20),
-        "LRU replacement shows Belady's anomaly": False,
-        "vLLM V1 turns prefix caching on by default": True,
-        "share of ShareGPT-like prompts whose last block is partial (copy-on-write at a fork)":
-            rows["share of ShareGPT-like prompts whose last block is partial (copy-on-write at a fork)"].computed,
-        "§12: steps to prefill an 8,000-token prompt, budget 2,048, beside the running decodes": 5,
+        "a fork's write into a shared partial block is rare (§10: 'very rare')": False,
+        "§13: end-to-end latency = TTFT + output_length x TPOT": False,
         "tokens per step: 75 % acceptance, 5 drafted tokens": pytest.approx(3.2881, abs=1e-4),
+        "worst tail waste of one request, block size 16": pytest.approx(4.6875),
+        "§1: memory left per card, 70B fp16 weights on two 80 GB H100s": pytest.approx((2 * 85.52e9 - 141.2e9) / 2e9,
+                                                                                       abs=0.01),
+        "§9: FLOPs that 1.5 B cached prefill tokens save, Llama-3-70B": pytest.approx(2.118e20),
+        "§9: LRU replacement shows Belady's anomaly": False,
+        "§12: steps to prefill an 8,000-token prompt, budget 2,048, beside the running decodes": 5,
+        "§18: vLLM V1 turns prefix caching on by default": True,
+        "§18: batch at which Llama-3-70B decode on an H100 turns compute-bound, 1,024-token context": 932,
     }
-    cow = rows["share of ShareGPT-like prompts whose last block is partial (copy-on-write at a fork)"].computed
-    assert 85 < cow < 100                      # about 15 in 16, far from rare
     assert all(row.note for row in corrections())          # every correction says why
+
+
+def test_an_h100_is_counted_as_nvml_reports_it():
+    assert H100_MEMORY == 81559 * 2 ** 20
+    assert 79.6 < H100_MEMORY / 2 ** 30 < 79.7 and 85.5 < H100_MEMORY / 1e9 < 85.6
 
 
 def test_shown_values_read_as_the_book_prints_them():
     shown = {r["figure"]: (r["computed"], r["guide"], r["verdict"]) for r in table_rows()}
     assert shown["time to read those 16 MiB at 3.35 TB/s"] == ("5.0 µs", "4.8 µs", "corrected")
-    assert shown["paged: 200 requests x 400 tokens x 320 KiB"] == ("24.4 GiB", "25 GiB", "corrected")
+    assert shown["naive: 'Used' = 200 requests x 400 tokens x 320 KiB"] == ("24.4 GiB", "25.0 GiB", "corrected")
+    assert shown["paged: 200 requests x 125 MiB"] == ("24.4 GiB", "24.4 GiB", "agrees")
     assert shown["worst tail waste of one request, block size 16"] == ("4.69 MiB", "4.8 MiB", "corrected")
-    assert shown["memory left per card: the same weights over four 80 GB cards"] == ("41.6 GiB", "50 GiB",
-                                                                                      "corrected")
+    assert shown["§8: memory left per card, the same weights over four 80 GB H100s"] == ("46.8 GiB", "50 GiB",
+                                                                                         "agrees")
+    assert shown["§1: memory left per card, 70B fp16 weights on two 80 GB H100s"] == ("14.9 GB", "20 GB", "corrected")
     assert shown["tokens per step: 75 % acceptance, 5 drafted tokens"] == ("3.29 tokens", "4 tokens", "corrected")
     assert shown["KV cache per token, Llama-3-70B fp16"] == ("320 KiB", "320 KiB", "agrees")
-    assert shown["LRU replacement shows Belady's anomaly"] == ("no", "yes", "corrected")
+    assert shown["§9: LRU replacement shows Belady's anomaly"] == ("no", "yes", "corrected")
 
 
 def test_the_verdict_is_computed_at_the_stated_precision():
@@ -73,6 +93,31 @@ def test_the_verdict_is_computed_at_the_stated_precision():
     assert GuideNumber("01", "x", 79.5, "%", 80).agrees
     assert not GuideNumber("01", "x", 4.69, "MiB", 4.8, 1).agrees
     assert GuideNumber("01", "x", False, "", False).agrees and not GuideNumber("01", "x", True, "", False).agrees
+    assert GuideNumber("01", "x", 46.8, "GiB", 50, -1).agrees          # "~50": a round figure, compared at tens
+    assert not GuideNumber("01", "x", 14.9, "GB", 20, -1).agrees
+
+
+def test_the_roofline_ridge_and_the_e2e_formula():
+    g = KVGeometry.llama3_70b()
+    assert 256 <= compute_bound_batch(g, LLAMA3_70B_PARAMS, 512) <= 512      # the guide's range, at 512 tokens
+    assert compute_bound_batch(g, LLAMA3_70B_PARAMS, 1024) > 512
+    assert compute_bound_batch(g, LLAMA3_70B_PARAMS, 2048) is None
+    assert not e2e_formula_holds() and not e2e_formula_holds(0.5, 0.02, 100)
+
+
+def chapter_prose(chapter: str) -> str:
+    """The markdown cells of chapters/<chapter>_*.ipynb, dashes and spaces made plain."""
+    (path,) = CHAPTERS.glob(f"{chapter}_*.ipynb")
+    cells = json.loads(path.read_text())["cells"]
+    text = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "markdown")
+    return re.sub(r"[\u2009\u202f\u00a0]", " ", text.replace("\u2212", "-").replace("\u2013", "-"))
+
+
+@pytest.mark.parametrize("row", guide_numbers(), ids=lambda row: f"{row.chapter}: {row.figure}")
+def test_the_chapter_a_row_names_discusses_it(row):
+    assert row.key, "every row names what its chapter says"
+    assert re.search(row.key, chapter_prose(row.chapter), re.S | re.I), \
+        f"chapter {row.chapter}'s prose never matches {row.key!r}"
 
 
 def test_expected_tokens():

@@ -162,13 +162,18 @@ def scheduled_prefills(engine) -> list[dict]:
 
 
 def plot_ttft(ttfts: dict[str, list[float]], title: str = ""):
-    """Time to first token per case: a bar at the median, a dot per measurement, log scale."""
+    """Time to first token per case: a bar at the median, a dot per measurement, on a linear axis from zero.
+
+    Linear from zero, so that the bars' heights compare as the times do (a log axis would shrink the gap and start
+    the bars at an arbitrary floor).
+    """
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for x, (label, values) in enumerate(ttfts.items()):
         ax.bar(x, np.median(values), color=PALETTE[x % len(PALETTE)], alpha=0.7)
         ax.scatter([x] * len(values), values, color="black", s=12, zorder=3)
         ax.annotate(f"{np.median(values):.2f} s", (x, np.median(values)), ha="center", va="bottom")
     ax.set_xticks(range(len(ttfts)), list(ttfts))
-    ax.set(yscale="log", ylabel="time to first token (s)", title=title or "TTFT")
+    ax.set(ylabel="time to first token (s), linear from 0", title=title or "TTFT")
+    ax.set_ylim(bottom=0, top=1.15 * max(max(values) for values in ttfts.values()))   # room for the labels
     fig.tight_layout()
     return fig
