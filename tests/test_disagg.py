@@ -172,12 +172,12 @@ def test_a_model_the_engine_cannot_run_is_refused_before_a_worker_starts(overrid
 def test_a_worker_that_dies_while_starting_is_named_at_once(tiny_model, role):
     """A worker killed as it starts (the out-of-memory killer, say) leaves its peer waiting for it in the
     rendezvous; the caller watches both from the start and names the dead one, long before startup_timeout."""
-    killed_at = []
+    killed_at, before = [], {child.pid for child in multiprocessing.active_children()}  # other tests' workers
 
     def kill_when_started():
         while True:
             for child in multiprocessing.active_children():
-                if child.name == f"paged-{role}-worker" and child.pid is not None:
+                if child.name == f"paged-{role}-worker" and child.pid not in before | {None}:
                     os.kill(child.pid, signal.SIGKILL)
                     killed_at.append(time.monotonic())
                     return
@@ -185,7 +185,6 @@ def test_a_worker_that_dies_while_starting_is_named_at_once(tiny_model, role):
 
     killer = threading.Thread(target=kill_when_started, daemon=True)
     killer.start()
-    before = {child.pid for child in multiprocessing.active_children()}
     with pytest.raises(WorkerError, match=f"the {role} worker .* died with exit code -9"):
         start_pair(tiny_model, startup_timeout=600)
     named_at = time.monotonic()
