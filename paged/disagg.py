@@ -16,10 +16,11 @@ stalls the decode steps of running requests, which is the whole point.
     caller --requests--> prefill worker --header (pipe) + K/V blocks (torch.distributed)--> decode worker
        ^------------------------ outputs, heartbeats, errors (pipes) ---------------------------/
 
-The caller only supervises: it validates every prompt before anything is sent, collects outputs in prompt order,
-and watches both processes. A worker that dies, raises, or says nothing for `timeout` seconds while requests are in
-flight makes generate() raise a WorkerError (a RuntimeError) naming it; both workers are then stopped, so nothing is left running
-(close() also runs on garbage collection and at interpreter exit).
+The caller only supervises: it validates the model and the engine arguments before it spawns anything and every
+prompt before anything is sent, collects outputs in prompt order, and watches both processes from the moment they
+start. A worker that dies or raises (while starting or later), or says nothing for `timeout` seconds while requests
+are in flight, makes the constructor or generate() raise a WorkerError (a RuntimeError) naming it; both workers are
+then stopped, so nothing is left running (close() also runs on garbage collection and at interpreter exit).
 
 What matches the colocated LLM: greedy tokens exactly (both engines run the same forward pass; a block arrives
 bit-exact). Seeded sampling draws from the same stream: the request's generator drew the first token in the prefill
@@ -31,6 +32,7 @@ request (n = 1). A sequence the decode worker preempts is recomputed there, as i
 
 import dataclasses
 import hashlib
+import inspect
 import multiprocessing.connection
 import os
 import socket
@@ -38,15 +40,21 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from .block_manager import AllocStatus, cdiv
+from .block_manager import AllocStatus, BlockManager, cdiv
+from .geometry import KVGeometry
 from .inputs import as_prompt_list, integer, prompt_token_ids, real
+from .model import ATTENTION_BACKENDS, check_llama
+from .offload import OffloadConfig
 from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .speculative import SpeculativeConfig
 from .sequence import Request, RequestMetrics, RequestOutput
 
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -134,6 +142,9 @@ def _worker_main(role, model_spec, block_size, engine_args, device, port, num_th
         worker = PrefillWorker if role == "prefill" else DecodeWorker
         worker(engine, caller_conn, peer_conn, backend, verify).serve()
         dist.destroy_process_group()
+        for space in (engine.swap_space, engine.prefix_tier):  # os._exit below skips the tiers' own clean-up
+            if space is not None:
+                space.tier.close()
     except BaseException:
         try:
             caller_conn.send(("error", traceback.format_exc()))
@@ -285,9 +296,48 @@ def _model_spec(model):
     if isinstance(model, str) and model == "smollm2":
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
+        check_llama(model)
         return model.config, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
                      f"got {model!r}")
+
+
+def check_engine_args(config, block_size: int, device: torch.device, engine_args: dict) -> None:
+    """Make, in the caller, every check the workers' engines would make on engine_args that needs no engine, so that
+    a bad argument is a ValueError naming it before any worker is spawned. config: the model's (a LlamaConfig)."""
+    from .engine import LLM, pool_blocks
+    parameters = inspect.signature(LLM).parameters
+    taken = {"model", "tokenizer", "block_size", "device"}  # DisaggregatedLLM's own arguments
+    for name in engine_args:
+        if name not in parameters or name in taken:
+            raise ValueError(f"{name!r} is not an engine argument of DisaggregatedLLM; engine_args may be "
+                             f"{', '.join(sorted(parameters.keys() - taken))}")
+    args = {name: parameter.default for name, parameter in parameters.items()} | engine_args
+    if args["preemption_mode"] != "recompute":
+        raise ValueError(f"preemption_mode {args['preemption_mode']!r} is not available for DisaggregatedLLM; "
+                         f"use 'recompute'")
+    if args["enable_lora"]:
+        raise ValueError("enable_lora is not available for DisaggregatedLLM: its generate() takes no lora_request")
+    offload = OffloadConfig.from_args(args["preemption_mode"], args["swap_space"], args["kv_offloading_size"],
+                                      args["kv_offload_dir"], args["enable_prefix_caching"])
+    if args["speculative_config"] is not None:
+        SpeculativeConfig.from_dict(args["speculative_config"])
+    dtype = args["dtype"]
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    backend = args["attention_backend"]
+    if backend is not None and backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {backend!r}")
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the workers run on {device}")
+    integer("seed", args["seed"])
+    Scheduler(BlockManager(1, block_size), args["max_num_seqs"], args["max_num_batched_tokens"])
+    if args["num_blocks"] is None:  # the pool must hold a block of this model (pool_blocks reads config and dtype)
+        pool_blocks(SimpleNamespace(config=config, dtype=dtype), args["kv_cache_memory"], block_size)
+    else:
+        integer("num_blocks", args["num_blocks"], low=1)
+    offload.check_blocks(KVGeometry.from_config(config, dtype).block_bytes(block_size))
 
 
 def _stop_process(process, grace_s: float) -> None:
@@ -321,10 +371,15 @@ class DisaggregatedLLM:
         block_size = integer("block_size", block_size, low=1)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
-        if engine_args.get("preemption_mode", "recompute") != "recompute":
-            raise ValueError(f"preemption_mode {engine_args['preemption_mode']!r} is not available for "
-                             f"DisaggregatedLLM; use 'recompute'")
         spec = _model_spec(model)
+        devices = self._devices(device)
+        if spec == "smollm2":
+            from transformers import AutoConfig
+            from .models import convert_gguf_to_cache
+            config = AutoConfig.from_pretrained(convert_gguf_to_cache())
+        else:
+            config = spec[0]
+        check_engine_args(config, block_size, torch.device(devices["prefill"]), engine_args)
         self.timeout = timeout
         self.block_size = block_size
         self.tokenizer = tokenizer
@@ -335,7 +390,6 @@ class DisaggregatedLLM:
         self._processes, self._conns, self._log, self._closed = {}, {}, [], False
         self._grace_s = [5.0]  # how long close() waits for a worker to stop by itself; short after a failure
         self._request_counter = 0
-        devices = self._devices(device)
         context = mp.get_context("spawn")
         peer_prefill, peer_decode = context.Pipe()
         port = free_port()
@@ -351,7 +405,7 @@ class DisaggregatedLLM:
                                           self._grace_s)
         peer_prefill.close(), peer_decode.close()
         try:
-            self.limits = {role: self._wait_ready(role, startup_timeout) for role in ("prefill", "decode")}
+            self.limits = self._wait_ready(startup_timeout)
         except BaseException:
             self._abort()
             raise
@@ -367,16 +421,24 @@ class DisaggregatedLLM:
     def pids(self) -> dict[str, int]:
         return {role: process.pid for role, process in self._processes.items()}
 
-    def _wait_ready(self, role: str, timeout: float) -> dict:
-        kind, payload = self._next_message({role}, timeout)
-        if kind != "ready":
-            self._abort()
-            raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
-        return payload
+    def _wait_ready(self, timeout: float) -> dict[str, dict]:
+        """Each worker's limits, as it says it is ready. Both are watched from the start: the first to die or
+        raise is named at once, whichever it is (a worker waits for its peer to join before it is ready, so one
+        that dies leaves the other waiting, silent)."""
+        limits, deadline = {}, time.monotonic() + timeout
+        while len(limits) < 2:
+            role, kind, payload = self._next_message(("prefill", "decode"), max(deadline - time.monotonic(), 0),
+                                                     "startup_timeout")
+            if kind != "ready":
+                self._abort()
+                raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
+            limits[role] = payload
+        return limits
 
-    def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None) -> tuple:
-        """The next message from one of the workers; a WorkerError (and both workers stopped) if one dies,
-        raises, or none says anything for `timeout` seconds."""
+    def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None,
+                      timeout_name: str = "timeout") -> tuple:
+        """The next message from one of the workers, as (role, kind, payload); a WorkerError (and both workers
+        stopped) if one dies, raises, or none says anything for `timeout` seconds."""
         timeout = self.timeout if timeout is None else timeout
         by_object = {}
         for role in roles:
@@ -386,7 +448,7 @@ class DisaggregatedLLM:
         if not ready:
             self._abort()
             raise WorkerError(f"no answer from the {' or '.join(roles)} worker in {timeout:g} s "
-                              f"(timeout); both workers were stopped")
+                              f"({timeout_name}); both workers were stopped")
         for obj in ready:  # messages first: a worker that raised says why before it exits
             if obj in self._conns.values():
                 role = by_object[obj]
@@ -398,7 +460,7 @@ class DisaggregatedLLM:
                     self._raise_death(wait_s=1.0, roles={"prefill", "decode"} - {role})
                     self._abort()
                     raise WorkerError(f"the {role} worker failed; both workers were stopped:\n{message[1]}")
-                return message[0], (message[1] if len(message) > 1 else None)
+                return role, message[0], (message[1] if len(message) > 1 else None)
         self._raise_death(wait_s=self.timeout)
         self._abort()
         raise WorkerError(f"the {' or '.join(roles)} worker closed its pipe but did not exit; both workers "
@@ -442,7 +504,7 @@ class DisaggregatedLLM:
             done: dict[str, RequestOutput] = {}
             with tqdm(total=len(batch), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while len(done) < len(batch):
-                    kind, payload = self._next_message()
+                    _, kind, payload = self._next_message()
                     if kind == "done":
                         payload.outputs[0].text = self._decode(payload.outputs[0].token_ids)
                         done[payload.request_id] = payload

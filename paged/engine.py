@@ -398,7 +398,7 @@ class LLM:
     `model` is "smollm2" (the bundled model) or a transformers Llama model object (for tests: random weights).
     KV offload (guide §15, `offload.py`): `preemption_mode="swap"` with `swap_space` GiB of swap tier;
     `kv_offloading_size` GiB of tier for the prefix cache; `kv_offload_dir`: a folder for both tiers as
-    memory-mapped files (a disk tier) instead of host memory.
+    memory-mapped files (a disk tier) instead of host memory, files of this engine's own (kv_offload_files()).
     """
 
     def __init__(self, model="smollm2", tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
@@ -478,6 +478,13 @@ class LLM:
 
     def kv_stats(self) -> dict:
         return self.engine.kv_stats()
+
+    def kv_offload_files(self) -> dict[str, str]:
+        """The files this engine's tiers live in with kv_offload_dir ("swap", "prefix"): its own, deleted when
+        the engine is collected or the interpreter exits."""
+        tiers = {"swap": self.engine.swap_space, "prefix": self.engine.prefix_tier}
+        return {kind: str(space.tier.path) for kind, space in tiers.items()
+                if space is not None and space.tier.path is not None}
 
     def spec_stats(self) -> dict:
         return self.engine.spec_stats()

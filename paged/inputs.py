@@ -13,13 +13,17 @@ Prompts:
 import math
 import numbers
 import operator
+import os
 
 
 def integer(name: str, value, low: int | None = None, high: int | None = None) -> int:
     """value as a Python int if it is an integer (not a bool) within [low, high]; else a ValueError naming it."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = operator.index(value)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)  # numpy's and torch's integer scalars too; not an array of several
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
@@ -62,3 +66,27 @@ def prompt_token_ids(prompt, tokenizer) -> list[int]:
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     return token_id_list("prompt", prompt)
+
+
+def available_memory(device=None) -> int | None:
+    """Bytes a new allocation may take: on a GPU its free memory; on the host Linux's MemAvailable (free memory
+    plus what the page cache would give back), else the free pages, else all of memory (sysconf); None if the
+    system says nothing. Sizes the user gives (tiers, LoRA slots) are checked against it before they are
+    allocated, so a typo gets a ValueError instead of an allocator's error."""
+    if device is not None:
+        import torch
+        if torch.device(device).type == "cuda":
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        try:
+            return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            continue
+    return None

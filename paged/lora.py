@@ -30,13 +30,17 @@ prefix-cache hash (`Request.cache_key`), so K/V computed under one adapter is ne
 import contextlib
 import json
 import math
+import operator
 import os
 import re
 from dataclasses import dataclass, field
 
 import torch
 
-from .inputs import integer
+from .inputs import available_memory, integer
+
+MAX_LORAS = 64          # adapter slots on the device at most
+MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,10 +58,20 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\
 @dataclass(frozen=True)
 class LoRARequest:
     """An adapter to run a request under: a name, an id >= 1 that stands for it in this engine, and the folder
-    PEFT saved it to. The same id must always come with the same name and path."""
+    PEFT saved it to. The same id must always come with the same name and path. An id given as an integer scalar
+    of numpy or torch is kept as the int it stands for (so it keys the registry and the prefix cache as one);
+    anything else is refused when a request names the adapter."""
     lora_name: str
     lora_int_id: int
     lora_path: str
+
+    def __post_init__(self):
+        lora_id = self.lora_int_id
+        if not isinstance(lora_id, (bool, int)) and hasattr(lora_id, "__index__"):
+            try:
+                object.__setattr__(self, "lora_int_id", operator.index(lora_id))
+            except TypeError:  # a tensor of several elements, say: resolve() names it
+                pass
 
 
 @dataclass
@@ -288,6 +302,14 @@ class LoRASlots:
     def nbytes(self) -> int:
         return sum(t.nbytes for layer in self.lora_a + self.lora_b for t in layer.values())
 
+    @staticmethod
+    def nbytes_for(model, max_loras: int, max_rank: int) -> int:
+        """The bytes of the slots LoRASlots(model, max_loras, max_rank) allocates, before it does."""
+        slices, layer = target_slices(model), model.layers[0]
+        per_rank = sum(len(targets) * slices[targets[0]].in_features + getattr(layer, fused).shape[0]
+                       for fused, targets in FUSED_TARGETS.items())   # A's and B's elements per slot and rank
+        return len(model.layers) * max_loras * max_rank * per_rank * model.dtype.itemsize
+
     def targets_of(self, slot: int) -> set[str]:
         """The target modules the adapter in slot has weights for, in any layer."""
         return {module for _, module in self.slot_weights[slot]}
@@ -380,8 +402,13 @@ class LoRAManager:
     plumbing: which adapter a request runs under, and the LoRABatch for each forward pass."""
 
     def __init__(self, model, max_loras: int = 1, max_lora_rank: int = 16, kernel: str | None = None):
-        self.max_loras = integer("max_loras", max_loras, low=1)
-        self.max_lora_rank = integer("max_lora_rank", max_lora_rank, low=1)
+        self.max_loras = integer("max_loras", max_loras, low=1, high=MAX_LORAS)
+        self.max_lora_rank = integer("max_lora_rank", max_lora_rank, low=1, high=MAX_LORA_RANK)
+        needed, room = LoRASlots.nbytes_for(model, self.max_loras, self.max_lora_rank), available_memory(model.device)
+        if room is not None and needed > room:
+            raise ValueError(f"max_loras ({self.max_loras}) slots of max_lora_rank ({self.max_lora_rank}) take "
+                             f"{needed / 2**30:.2f} GiB on {model.device}, more than the {room / 2**30:.2f} GiB "
+                             f"available; lower max_loras or max_lora_rank")
         self.num_layers = len(model.layers)
         self.device = model.device
         self.slots = LoRASlots(model, self.max_loras, self.max_lora_rank)

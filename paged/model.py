@@ -7,6 +7,12 @@ decode call (one query per sequence) and a prefill call (a ragged chunk per sequ
 
 Per layer:  x -> RMSNorm -> fused QKV -> RoPE -> write K,V into the pool -> paged attention -> O
               -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
+
+That is transformers' LlamaForCausalLM and nothing else: `check_llama` refuses, by name, a model this forward pass
+would run wrongly (another architecture, biases on the projections, another activation, a RoPE that changes with
+the sequence's length), rather than run it as if it had none of them. Every other Llama setting is honoured: any
+head_dim, tied or untied embeddings, the static RoPE scalings (linear, dynamic within max_position_embeddings,
+yarn, llama3), whose table comes from the model's own rotary module.
 """
 
 from dataclasses import dataclass
@@ -16,6 +22,33 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as torch_attention
+
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+ACTIVATIONS = ("silu", "swish")          # one function under two names (transformers' ACT2FN)
+LENGTH_DEPENDENT_ROPE = ("longrope",)    # short or long factors by the sequence's length: no table for all of it
+
+
+def check_llama(hf_model, argument: str = "model") -> None:
+    """A ValueError naming `argument` and the setting if hf_model is not a transformers LlamaForCausalLM this
+    forward pass runs exactly as transformers does."""
+    from transformers import LlamaForCausalLM
+    config = getattr(hf_model, "config", None)
+    if not isinstance(hf_model, LlamaForCausalLM) or getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"{argument} is a {type(hf_model).__name__} (model_type "
+                         f"{getattr(config, 'model_type', None)!r}); the engine runs transformers' LlamaForCausalLM "
+                         f"(model_type 'llama') only")
+    for setting in ("attention_bias", "mlp_bias"):
+        if getattr(config, setting, False):
+            raise ValueError(f"{argument} has {setting}=True: the engine's projections have no bias, so it would "
+                             f"run the model wrongly; it runs Llamas with {setting}=False only")
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"{argument} has hidden_act={config.hidden_act!r}: the engine's MLP is SiLU-gated; it "
+                         f"runs Llamas with hidden_act 'silu' only")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"{argument} has a RoPE of type {rope_type!r}, whose frequencies depend on the sequence's "
+                         f"length; the engine computes one RoPE table for every position and cannot run it")
 
 
 @dataclass
@@ -54,7 +87,7 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
         return SimpleNamespace(name="triton", write_kv=kernels.reshape_and_cache,
                                decode=kernels.paged_decode_attention, prefill=kernels.paged_prefill_attention,
                                rope=apply_rope, silu_and_mul=silu_and_mul)
-    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,6 +139,7 @@ class PagedLlama:
     """A Llama (SmolLM2, Llama 2/3, ...) that keeps its KV cache in a paged pool."""
 
     def __init__(self, hf_model, backend: str = "torch"):
+        check_llama(hf_model)
         config = hf_model.config
         self.config = config
         self.num_heads = config.num_attention_heads

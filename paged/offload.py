@@ -5,7 +5,10 @@ A tier is a tensor of block-sized slots outside the pool, one slot = one block o
     tier.storage  [num_slots, 2 (K/V), num_layers, block_size, num_kv_heads, head_dim]
 so a block moves between pool and tier as a unit, by one copy per block. It lives in host memory (pinned on CUDA,
 so the copies run without blocking the host) or, with `kv_offload_dir`, in a memory-mapped file there: a disk
-tier, slower, and real on a CPU too.
+tier, slower, and real on a CPU too. Each engine owns its files: `paged-swap-XXXX.kv` and `paged-prefix-XXXX.kv`,
+named afresh (so two engines, or two disaggregated workers, given one folder never share a slot), locked while the
+tier lives, deleted when it is closed or collected (`LLM.kv_offload_files()` names them). A file whose owner died
+without deleting it is deleted by the next engine that opens a tier in that folder.
 
 Two uses, two tiers, two bookkeepers:
   - `SwapSpace` (`preemption_mode="swap"`, `swap_space` GiB): a preempted sequence's computed blocks are copied out
@@ -21,8 +24,12 @@ The scheduler decides which blocks move (it touches no tensor); the engine makes
 (swap-outs, then copy-on-write, then swap-ins and tier hits) and stores the step's new cached blocks after it.
 """
 
+import fcntl
 import math
 import os
+import shutil
+import tempfile
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .block_manager import Block, BlockManager, cdiv
-from .inputs import real
+from .inputs import available_memory, real
 from .kv_cache import KVCache
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -64,41 +71,101 @@ class OffloadConfig:
             if not enable_prefix_caching:
                 raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the tier keeps the prefix "
                                  "cache's blocks")
-        if kv_offload_dir is not None and not isinstance(kv_offload_dir, (str, os.PathLike)):
-            raise ValueError(f"kv_offload_dir must be a folder path or None, got {type(kv_offload_dir).__name__}")
-        return cls(preemption_mode, swap_space, kv_offloading_size,
-                   None if kv_offload_dir is None else os.fspath(kv_offload_dir))
+        if kv_offload_dir is not None:
+            if not isinstance(kv_offload_dir, (str, os.PathLike)):
+                raise ValueError(f"kv_offload_dir must be a folder path or None, got "
+                                 f"{type(kv_offload_dir).__name__}")
+            kv_offload_dir = os.fspath(kv_offload_dir)
+            if not kv_offload_dir.strip():
+                raise ValueError("kv_offload_dir must name a folder, got an empty path (None keeps the tiers in "
+                                 "host memory)")
+        config = cls(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir)
+        config.check_room()
+        return config
+
+    def _tier_sizes(self) -> dict[str, float]:
+        """GiB of each tier these settings build: "swap_space" and "kv_offloading_size"."""
+        sizes = {"swap_space": self.swap_space} if self.preemption_mode == "swap" else {}
+        if self.kv_offloading_size is not None:
+            sizes["kv_offloading_size"] = self.kv_offloading_size
+        return sizes
+
+    def check_room(self) -> None:
+        """The tiers must fit where they go: the host's available memory, or the free space of kv_offload_dir's
+        disk; else a ValueError naming the tier, before anything is allocated."""
+        sizes = self._tier_sizes()
+        if not sizes:
+            return
+        if self.kv_offload_dir is None:
+            room, where = available_memory(), "available host memory"
+        else:
+            folder = Path(self.kv_offload_dir).absolute()
+            while not folder.exists() and folder != folder.parent:  # the folder is made when the tier is
+                folder = folder.parent
+            try:
+                room, where = shutil.disk_usage(folder).free, f"free disk space under {folder}"
+            except OSError:  # unreadable: making the file will say what is wrong
+                room = None
+        if room is not None and sum(sizes.values()) * GiB > room:
+            asked = " + ".join(f"{name} {gib:g} GiB" for name, gib in sizes.items())
+            raise ValueError(f"{asked} is more than the {where} ({room / GiB:.2f} GiB); lower "
+                             f"{' or '.join(sizes)}")
+
+    def check_blocks(self, block_bytes: int) -> None:
+        """A prefix tier must hold at least one block of block_bytes (an empty one would keep nothing)."""
+        if self.kv_offloading_size is not None and int(self.kv_offloading_size * GiB) < block_bytes:
+            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size:g} GiB) must hold at least one KV block "
+                             f"of {block_bytes} bytes ({block_bytes / GiB:.3g} GiB); raise it, or leave it None "
+                             f"for no tier")
 
     def build(self, block_manager: BlockManager, kv_cache: KVCache) -> tuple["SwapSpace | None", "PrefixTier | None"]:
-        """The tiers these settings ask for, sized in blocks of this pool."""
+        """The tiers these settings ask for, sized in blocks of this pool, each in a file of its own with
+        kv_offload_dir."""
         block_bytes = kv_cache.nbytes // kv_cache.num_blocks
+        self.check_blocks(block_bytes)
+        if self.kv_offload_dir is not None:
+            delete_stale_files(Path(self.kv_offload_dir))
         swap = prefix = None
         if self.preemption_mode == "swap":
-            tier = KVTier(kv_cache, int(self.swap_space * GiB) // block_bytes, self._file("swap.kv"))
+            tier = KVTier(kv_cache, int(self.swap_space * GiB) // block_bytes, self._folder(), kind="swap")
             swap = SwapSpace(block_manager, tier)
         if self.kv_offloading_size is not None:
-            tier = KVTier(kv_cache, int(self.kv_offloading_size * GiB) // block_bytes, self._file("prefix.kv"))
+            tier = KVTier(kv_cache, int(self.kv_offloading_size * GiB) // block_bytes, self._folder(), kind="prefix")
             prefix = PrefixTier(block_manager, tier)
         return swap, prefix
 
-    def _file(self, name: str) -> Path | None:
-        return None if self.kv_offload_dir is None else Path(self.kv_offload_dir) / name
+    def _folder(self) -> Path | None:
+        return None if self.kv_offload_dir is None else Path(self.kv_offload_dir)
 
 
 class KVTier:
-    """num_slots block-sized slots of K/V outside the pool, handed out from a free list."""
+    """num_slots block-sized slots of K/V outside the pool, handed out from a free list. In host memory, or in a
+    memory-mapped file this tier owns (see TierFile): `path` names the file (one another live tier holds is
+    refused), or is a folder in which a file of its own, named afresh for this `kind` of tier, is made."""
 
-    def __init__(self, kv_cache: KVCache, num_slots: int, path: Path | None = None):
+    def __init__(self, kv_cache: KVCache, num_slots: int, path: Path | None = None, kind: str | None = None):
         self.kv_cache = kv_cache
         self.num_slots = num_slots
         pool = kv_cache.storage  # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         shape = (num_slots, 2, pool.shape[1], *pool.shape[3:])
-        self.path = path
+        self.file = None
         if path is None or num_slots == 0:
             self.storage = torch.zeros(shape, dtype=pool.dtype, pin_memory=pool.is_cuda)
         else:
-            self.storage = map_file(path, shape, pool.dtype)
+            self.file = TierFile.create(Path(path), kind) if kind is not None else TierFile.claim(Path(path))
+            self.storage = self.file.map(shape, pool.dtype)
         self.free_slots = deque(range(num_slots))
+
+    @property
+    def path(self) -> Path | None:
+        """The file the tier lives in, or None for host memory."""
+        return None if self.file is None else self.file.path
+
+    def close(self) -> None:
+        """Delete the tier's file now (it also goes when the tier is collected, or at exit); the mapped slots stay
+        readable until the tier is dropped."""
+        if self.file is not None:
+            self.file.close()
 
     @property
     def num_free(self) -> int:
@@ -137,17 +204,104 @@ class KVTier:
             pool[:, :, block].copy_(self.storage[slot], non_blocking=True)
 
 
-def map_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of `shape` memory-mapped on the file at path (created, or cut to size); a ValueError naming
-    kv_offload_dir if the file cannot be written."""
-    numel = math.prod(shape)
+TIER_FILE_PREFIX, TIER_FILE_SUFFIX = "paged-", ".kv"
+
+
+class TierFile:
+    """A tier's file, owned by one tier for its whole life: an exclusive lock (fcntl.flock) on it says so to every
+    other process, and the file is deleted when the tier is closed, collected, or the interpreter exits. A process
+    killed before that leaves its file unlocked: delete_stale_files removes such files later."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+        self._finalizer = weakref.finalize(self, TierFile._release, path, fd)
+
+    @classmethod
+    def create(cls, folder: Path, kind: str) -> "TierFile":
+        """A new file in folder (made if need be), paged-<kind>-XXXX.kv, under a name nobody else has."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            while True:
+                fd, name = tempfile.mkstemp(prefix=f"{TIER_FILE_PREFIX}{kind}-", suffix=TIER_FILE_SUFFIX,
+                                            dir=folder)
+                if _lock(fd) and _is_at(fd, Path(name)):
+                    return cls(Path(name), fd)
+                os.close(fd)  # delete_stale_files took it in the instant before the lock: it is gone; again
+        except OSError as error:
+            raise ValueError(f"kv_offload_dir: cannot make a tier file in {folder} ({error})") from error
+
+    @classmethod
+    def claim(cls, path: Path) -> "TierFile":
+        """The file at path (made if need be); a ValueError if another live tier holds it."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise ValueError(f"kv_offload_dir: cannot write the tier file {path} ({error})") from error
+        if not _lock(fd):
+            os.close(fd)
+            raise ValueError(f"the tier file {path} belongs to another live tier (it holds the file's lock); "
+                             f"give each tier a file of its own")
+        return cls(path, fd)
+
+    def map(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `shape` memory-mapped on the file, cut to its size; a ValueError naming kv_offload_dir if
+        the file cannot be written."""
+        numel = math.prod(shape)
+        try:
+            os.ftruncate(self.fd, numel * dtype.itemsize)
+            return torch.from_file(str(self.path), shared=True, size=numel, dtype=dtype).view(shape)
+        except (OSError, RuntimeError) as error:
+            self.close()
+            raise ValueError(f"kv_offload_dir: cannot write the tier file {self.path} ({error})") from error
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _release(path: Path, fd: int) -> None:
+        try:
+            os.unlink(path)
+        except OSError:  # gone already (its folder deleted, say)
+            pass
+        os.close(fd)    # the lock goes with the descriptor
+
+
+def _lock(fd: int) -> bool:
+    """Take fd's file's exclusive lock, without waiting; False if another open file holds it."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as file:
-            file.truncate(numel * dtype.itemsize)
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
-    except (OSError, RuntimeError) as error:
-        raise ValueError(f"kv_offload_dir: cannot write the tier file {path} ({error})") from error
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Is the file open at fd still the one at path (not deleted or replaced meanwhile)?"""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def delete_stale_files(folder: Path) -> list[Path]:
+    """Delete the tier files in folder that no live tier holds (their owner was killed before it could delete
+    them); returns them. A file another process cannot open or delete is left alone."""
+    deleted = []
+    for path in sorted(folder.glob(f"{TIER_FILE_PREFIX}*{TIER_FILE_SUFFIX}")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _lock(fd) and _is_at(fd, path):
+                os.unlink(path)
+                deleted.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return deleted
 
 
 class SwapSpace:

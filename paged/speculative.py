@@ -36,7 +36,7 @@ from .batching import prepare_inputs
 from .block_manager import AllocStatus, BlockManager, cdiv
 from .inputs import integer
 from .kv_cache import KVCache
-from .model import PagedLlama
+from .model import PagedLlama, check_llama
 from .rejection_sampler import greedy_accept, rejection_sample
 from .sampling import filter_logits
 
@@ -165,14 +165,15 @@ def resolve_draft(config: SpeculativeConfig, target: PagedLlama, target_hf, back
         from transformers import AutoModelForCausalLM
         try:
             draft_hf = AutoModelForCausalLM.from_pretrained(model, dtype=target.dtype, local_files_only=True)
-        except OSError as error:
-            raise ValueError(f"speculative_config['model'] {model!r} is neither 'smollm2' nor a local model "
-                             f"folder: {error}") from None
+        except (OSError, ValueError) as error:  # no such folder; a model transformers cannot load as a causal LM
+            raise ValueError(f"speculative_config['model'] {model!r} is neither 'smollm2' nor a local folder of a "
+                             f"Llama: {error}") from None
     elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
         draft_hf = model
     else:
         raise ValueError(f"speculative_config['model'] must be 'smollm2', a local model folder or a transformers "
                          f"Llama model object, got {model!r}")
+    check_llama(draft_hf, "speculative_config['model']")
     if draft_hf is target_hf:
         draft = copy.copy(target)
     else:

@@ -13,11 +13,11 @@ from paged import LLM
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A random Llama small enough to run hundreds of engine steps in a second (GQA 2:1)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=255, bos_token_id=0, initializer_range=0.3,
-                         **overrides)  # wide weights: peaked logits, so sampling follows the model
-    return LlamaForCausalLM(config).eval()
+    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                    tie_word_embeddings=True, eos_token_id=255, bos_token_id=0,
+                    initializer_range=0.3)  # wide weights: peaked logits, so sampling follows the model
+    return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()
 
 
 def make_tiny_llm(model, **kwargs) -> LLM:

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from paged.block_manager import cdiv
 from paged.disagg import DisaggregatedLLM, WorkerError
 from paged.geometry import KVGeometry
 
-from helpers import make_tiny_llm, random_prompts
+from helpers import make_tiny_llm, random_prompts, tiny_llama
 from test_oracle import hf_greedy
 
 BLOCK_SIZE = 8
@@ -135,6 +136,19 @@ def test_bad_input_is_refused_before_anything_is_sent(pair, prompt, params, matc
     ({"timeout": 0}, "timeout"), ({"timeout": "soon"}, "timeout"), ({"startup_timeout": -1}, "startup_timeout"),
     ({"num_threads": 0}, "num_threads"),
     ({"block_size": 12}, "block_size"), ({"preemption_mode": "swap"}, "preemption_mode"),
+    # the engines' own arguments, checked in the caller as each engine would
+    ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 2.5}, "num_blocks"),
+    ({"kv_cache_memory": 1000}, "kv_cache_memory"), ({"kv_cache_memory": "1GiB"}, "kv_cache_memory"),
+    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": None}, "max_num_batched_tokens"),
+    ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "max_num_batched_tokens"),
+    ({"seed": 1.5}, "seed"), ({"dtype": "float16"}, "dtype"), ({"attention_backend": "cuda"}, "attention_backend"),
+    ({"speculative_config": {"method": "magic"}}, "speculative_config"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size"),
+    ({"kv_offloading_size": 0.01}, "kv_offloading_size needs enable_prefix_caching"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": ""}, "kv_offload_dir"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
+    ({"enable_lora": True}, "enable_lora"),
+    ({"num_gpu_blocks": 64}, "'num_gpu_blocks' is not an engine argument"),
 ])
 def test_bad_settings_are_refused_before_a_worker_starts(tiny_model, kwargs, match):
     before = {child.pid for child in multiprocessing.active_children()}
@@ -143,6 +157,40 @@ def test_bad_settings_are_refused_before_a_worker_starts(tiny_model, kwargs, mat
     with pytest.raises(ValueError, match="model"):
         DisaggregatedLLM("gpt2")
     assert {child.pid for child in multiprocessing.active_children()} == before
+
+
+@pytest.mark.parametrize("overrides, match", [(dict(attention_bias=True), "attention_bias"),
+                                              (dict(hidden_act="gelu"), "hidden_act")])
+def test_a_model_the_engine_cannot_run_is_refused_before_a_worker_starts(overrides, match):
+    before = {child.pid for child in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match=match):
+        start_pair(tiny_llama(**overrides))
+    assert {child.pid for child in multiprocessing.active_children()} == before
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_worker_that_dies_while_starting_is_named_at_once(tiny_model, role):
+    """A worker killed as it starts (the out-of-memory killer, say) leaves its peer waiting for it in the
+    rendezvous; the caller watches both from the start and names the dead one, long before startup_timeout."""
+    killed_at, before = [], {child.pid for child in multiprocessing.active_children()}  # other tests' workers
+
+    def kill_when_started():
+        while True:
+            for child in multiprocessing.active_children():
+                if child.name == f"paged-{role}-worker" and child.pid not in before | {None}:
+                    os.kill(child.pid, signal.SIGKILL)
+                    killed_at.append(time.monotonic())
+                    return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_when_started, daemon=True)
+    killer.start()
+    with pytest.raises(WorkerError, match=f"the {role} worker .* died with exit code -9"):
+        start_pair(tiny_model, startup_timeout=600)
+    named_at = time.monotonic()
+    killer.join()
+    assert named_at - killed_at[0] < 10   # seconds, against a startup_timeout of 600
+    assert {child.pid for child in multiprocessing.active_children()} <= before
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
@@ -177,6 +225,28 @@ def test_dropping_the_object_stops_its_workers(tiny_model):
     del llm
     gc.collect()
     assert_gone(pids)
+
+
+def test_the_two_workers_own_their_tier_files_in_one_folder(tiny_model, tmp_path):
+    """Both workers keep a prefix tier in the same folder: each in its own file, so the prefill worker's tier hits
+    (a system prompt its small pool forgot) are its own K/V, and the tokens equal transformers'. A first request
+    that ends at its first token fills slots in the prefill worker's tier only: from then on the two tiers would
+    put different blocks in the same slots of a shared file."""
+    system = random_prompts(1, seed=7, low=40, high=41)[0]
+    fillers = random_prompts(3, seed=8, low=80, high=81)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with start_pair(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
+                    kv_offload_dir=tmp_path) as llm:
+        pids = list(llm.pids.values())
+        assert len(list(tmp_path.glob("paged-prefix-*.kv"))) == 2
+        llm.generate(random_prompts(1, seed=10, low=16, high=17), SamplingParams(max_tokens=1), use_tqdm=False)
+        for question in random_prompts(3, seed=9, low=5, high=9):
+            prompt = system + question
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 12, stop_at_eos=False)
+            llm.generate([fillers.pop()], params, use_tqdm=False)   # the pools forget the system prompt
+    assert_gone(pids)
+    assert list(tmp_path.iterdir()) == []   # each worker deleted its own file as it stopped
 
 
 def test_smollm2_answers_paris_disaggregated(smollm2, chat_prompts):

@@ -8,6 +8,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_pool_empty, make_tiny_llm, tiny_llama
@@ -16,7 +17,9 @@ from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 
 from paged import LoRARequest, SamplingParams
-from paged.lora import TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
+from paged import lora as lora_module
+from paged.lora import MAX_LORA_RANK, MAX_LORAS, TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
+from paged.model import PagedLlama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
@@ -342,6 +345,55 @@ def test_a_lora_request_needs_enable_lora(adapters):
 def test_bad_lora_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_loras=MAX_LORAS + 1), f"max_loras must be <= {MAX_LORAS}"),
+    (dict(max_loras=10**6), f"max_loras must be <= {MAX_LORAS}"),
+    (dict(max_lora_rank=MAX_LORA_RANK + 1), f"max_lora_rank must be <= {MAX_LORA_RANK}"),
+])
+def test_lora_slots_are_bounded_before_anything_is_allocated(kwargs, message, adapters):
+    with pytest.raises(ValueError, match=message):
+        make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
+    request, peft_model = adapters[0]
+    llm = lora_llm()   # a good one still works
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == \
+        [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+
+
+def test_lora_slots_must_fit_the_memory_available(monkeypatch):
+    """The slots' size is known before they are allocated: within the bounds, they must fit the device's memory."""
+    model = PagedLlama(tiny_llama(), "torch")
+    assert LoRASlots.nbytes_for(model, 3, 8) == LoRASlots(model, 3, 8).nbytes
+    monkeypatch.setattr(lora_module, "available_memory", lambda device=None: LoRASlots.nbytes_for(model, 4, 16) - 1)
+    with pytest.raises(ValueError, match=r"max_loras \(4\) slots of max_lora_rank \(16\) take .* GiB on cpu"):
+        make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=4, max_lora_rank=16)
+    make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=3, max_lora_rank=16)   # 3 slots fit
+
+
+@pytest.mark.parametrize("make_id", [np.int64, np.int32, np.uint8, torch.tensor,
+                                     lambda i: torch.tensor(i, dtype=torch.int32)],
+                         ids=["np.int64", "np.int32", "np.uint8", "torch.int64", "torch.int32"])
+def test_an_adapter_id_of_numpy_or_torch_is_the_int_it_stands_for(adapters, make_id):
+    llm = lora_llm()
+    requests = [LoRARequest(request.lora_name, make_id(request.lora_int_id), request.lora_path)
+                for request, _ in adapters]
+    assert [type(r.lora_int_id) for r in requests] == [int] * 3 and requests[0] == adapters[0][0]
+    outs = llm.generate(PROMPTS[:3], GREEDY, lora_request=requests, use_tqdm=False)
+    assert tokens(outs) == [hf_greedy(peft_model, p) for (_, peft_model), p in zip(adapters, PROMPTS)]
+    assert llm.lora_stats()["registered"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("lora_id", [1.0, True, torch.tensor([1, 2]), np.array([1]), "1", None])
+def test_an_adapter_id_that_is_no_integer_is_refused_before_anything_is_queued(adapters, lora_id):
+    llm = lora_llm()
+    request, peft_model = adapters[0]
+    bad = LoRARequest(request.lora_name, lora_id, request.lora_path)
+    with pytest.raises(ValueError, match="lora_int_id must be an integer"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[request, bad], use_tqdm=False)
+    assert llm.engine.requests == {} and llm.lora_stats()["registered"] == []
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == \
+        [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,9 +7,11 @@ interrupted step leaves both tiers consistent. A hypothesis state machine drives
 directly and checks that nothing leaks, ref counts are exact, and no block is in two places at once.
 """
 
+import gc
 import hashlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,10 +115,25 @@ def test_the_block_manager_names_blocks_by_the_digest_chain():
     ({"preemption_mode": "drop"}, "preemption_mode"),
     ({"preemption_mode": None}, "preemption_mode"),
     ({"preemption_mode": "swap", "kv_offload_dir": 3}, "kv_offload_dir"),
+    ({"preemption_mode": "swap", "kv_offload_dir": ""}, "kv_offload_dir"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": " "}, "kv_offload_dir"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size .* one KV block"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 0}, "kv_offloading_size .* one KV block"),
+    ({"preemption_mode": "swap", "swap_space": 1e6}, "swap_space .* available host memory"),
+    ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
 ])
-def test_bad_offload_settings_raise_a_value_error_naming_the_argument(tiny_model, kwargs, name):
+def test_bad_offload_settings_raise_a_value_error_naming_the_argument(tiny_model, kwargs, name, long_prompts,
+                                                                      long_expected):
     with pytest.raises(ValueError, match=name):
         make_tiny_llm(tiny_model, **kwargs)
+    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, **TIGHT)   # a good one still works
+    assert tokens(llm.generate(long_prompts[:2], LONG, use_tqdm=False)) == long_expected[:2]
+
+
+def test_tiers_larger_than_the_disk_are_refused_before_a_file_is_made(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="swap_space 1e\\+06 GiB .* free disk space"):
+        make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=1e6, kv_offload_dir=tmp_path / "tiers")
+    assert not (tmp_path / "tiers").exists()
 
 
 def test_a_disk_tier_whose_file_cannot_be_written_is_refused(tiny_model, tmp_path):
@@ -139,7 +156,8 @@ def test_swap_keeps_greedy_tokens_and_returns_every_block(tiny_model, long_promp
     assert_pool_empty(llm)
     assert_tiers_empty(llm)
     if disk:
-        assert (tmp_path / "swap.kv").stat().st_size == llm.engine.swap_space.tier.storage.nbytes
+        path = Path(llm.kv_offload_files()["swap"])
+        assert path.parent == tmp_path and path.stat().st_size == llm.engine.swap_space.tier.storage.nbytes
 
 
 def test_swapped_blocks_come_back_bit_exact(tiny_model, long_prompts):
@@ -253,6 +271,84 @@ def test_a_failing_swap_copy_is_rolled_back_and_the_engine_stays_usable(tiny_mod
     assert_tiers_empty(llm)
     tier.save = save
     assert tokens(llm.generate(long_prompts, LONG, use_tqdm=False)) == long_expected
+
+
+# ---- tier files: each engine its own --------------------------------------------------------------------------------
+
+def run_side_by_side(llms, prompt_lists, params) -> list[list[list[int]]]:
+    """Step the engines in turn, one step each, until all finish: their tiers' writes interleave."""
+    engines = [llm.engine for llm in llms]
+    ids = [[engine.add_request(engine.make_request(p, params)) for p in prompts]
+           for engine, prompts in zip(engines, prompt_lists)]
+    outputs = [{} for _ in engines]
+    while any(engine.has_unfinished_requests() for engine in engines):
+        for engine, done in zip(engines, outputs):
+            if engine.has_unfinished_requests():
+                done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+    return [[done[i] for i in request_ids] for done, request_ids in zip(outputs, ids)]
+
+
+def test_two_engines_swapping_into_one_folder_keep_their_own_blocks(tiny_model, long_prompts, long_expected,
+                                                                    tmp_path):
+    others = random_prompts(4, seed=21, low=30, high=31)
+    llms = [make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path, **TIGHT)
+            for _ in range(2)]
+    got = run_side_by_side(llms, [long_prompts, others], LONG)
+    assert got == [long_expected, [hf_greedy(tiny_model, p, LONG.max_tokens) for p in others]]
+    assert all(llm.kv_stats()["swap_out_blocks"] > 0 for llm in llms)
+    files = [llm.kv_offload_files()["swap"] for llm in llms]
+    assert files[0] != files[1] and sorted(map(str, tmp_path.iterdir())) == sorted(files)
+
+
+def test_two_engines_sharing_a_prefix_tier_folder_get_their_own_hits(tiny_model, tmp_path):
+    """Each engine's prefix tier serves its system prompt after its pool forgot it, while the other engine stores
+    blocks of its own in the same folder: every hit must be the engine's own K/V."""
+    systems = random_prompts(2, seed=22, low=40, high=41)
+    fillers = random_prompts(3, seed=6, low=88, high=89)
+    llms = [make_tiny_llm(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
+                          kv_offload_dir=tmp_path) for _ in range(2)]
+    got, expected = [[], []], [[], []]
+    for round_, question in enumerate(random_prompts(3, seed=23, low=5, high=10)):
+        for llm, system, out, want in zip(llms, systems, got, expected):
+            prompt = system + question
+            out += tokens(llm.generate([prompt], SHORT, use_tqdm=False))
+            want.append(hf_greedy(tiny_model, prompt, SHORT.max_tokens))
+            llm.generate([fillers[round_]], SHORT, use_tqdm=False)   # the pool forgets the system prompt
+    assert got == expected
+    assert [llm.kv_stats()["offload_hit_tokens"] for llm in llms] == [2 * 40, 2 * 40]
+    files = [llm.kv_offload_files()["prefix"] for llm in llms]
+    assert files[0] != files[1] and sorted(map(str, tmp_path.iterdir())) == sorted(files)
+
+
+def test_a_tier_file_lives_as_long_as_its_engine(tiny_model, tmp_path):
+    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True,
+                        kv_offloading_size=0.01, kv_offload_dir=tmp_path / "tiers")
+    files = llm.kv_offload_files()
+    assert sorted(files) == ["prefix", "swap"]
+    assert all(Path(path).parent == tmp_path / "tiers" and Path(path).name.startswith(f"paged-{kind}-")
+               for kind, path in files.items())
+    del llm
+    gc.collect()
+    assert list((tmp_path / "tiers").iterdir()) == []
+
+
+def test_a_file_a_live_tier_holds_is_refused_and_a_stale_one_is_deleted(tiny_model, tmp_path):
+    cache = make_tiny_llm(tiny_model, num_blocks=4).engine.kv_cache
+    tier = KVTier(cache, 2, tmp_path / "swap.kv")
+    with pytest.raises(ValueError, match="belongs to another live tier"):
+        KVTier(cache, 2, tmp_path / "swap.kv")
+    tier.close()
+    assert not (tmp_path / "swap.kv").exists()
+    KVTier(cache, 2, tmp_path / "swap.kv").close()    # free again
+    # A process killed with its tier open leaves an unlocked file behind; the next engine in the folder deletes it.
+    script = (f"import os, sys, torch; sys.path[:0] = {sys.path!r}\n"
+              f"from paged.kv_cache import KVCache; from paged.offload import KVTier\n"
+              f"tier = KVTier(KVCache(1, 1, 4, 4, 8), 2, {str(tmp_path)!r}, kind='swap')\n"
+              f"print(tier.path, flush=True); os._exit(0)\n")
+    stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(stale).exists()
+    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path)
+    assert not Path(stale).exists() and list(tmp_path.iterdir()) == [Path(llm.kv_offload_files()["swap"])]
 
 
 # ---- the prefix cache's tier -----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts, tiny_llama
 from paged import LLM, SamplingParams
 from paged.sampling import MAX_SEED
+from test_oracle import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -412,6 +413,83 @@ def test_engine_settings_name_what_is_wrong(tiny_model, kwargs, name):
 def test_an_unknown_model_is_named(model):
     with pytest.raises(ValueError, match="model must be 'smollm2'"):
         LLM(model=model, device="cpu")
+
+
+# ---- the model's settings: honoured or refused by name --------------------------------------------------------------
+
+def random_biases(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("overrides, name", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(hidden_act="relu"), "hidden_act"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                           "long_factor": [4.0] * 8, "original_max_position_embeddings": 32}), "longrope"),
+])
+def test_llama_settings_the_engine_cannot_run_are_refused_by_name(overrides, name, prompts):
+    model = random_biases(tiny_llama(**overrides))
+    with pytest.raises(ValueError, match=name):
+        make_tiny_llm(model)
+    llm = make_tiny_llm(tiny_llama())   # a plain Llama still runs, and equals transformers
+    assert tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == \
+        [hf_greedy(tiny_llama(), p, GREEDY.max_tokens, stop_at_eos=False) for p in prompts[:2]]
+
+
+def test_another_architecture_is_refused_by_name():
+    from transformers import MistralConfig, MistralForCausalLM
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="MistralForCausalLM .*LlamaForCausalLM"):
+        make_tiny_llm(mistral)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(head_dim=32),                                             # head_dim * heads != hidden_size
+    dict(head_dim=8, num_attention_heads=8, num_key_value_heads=2),
+    dict(tie_word_embeddings=False),
+    dict(pretraining_tp=2),                                        # a training detail transformers ignores too
+    dict(hidden_act="swish"),                                      # SiLU by its other name
+    dict(rms_norm_eps=1e-2),
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+    dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}),
+    dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
+    dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 128}),
+    dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+], ids=lambda overrides: "-".join(f"{k}={v.get('rope_type', '') if isinstance(v, dict) else v}"
+                                  for k, v in overrides.items()))
+def test_llama_settings_the_engine_honours_equal_transformers(overrides, prompts):
+    model = tiny_llama(**overrides)
+    outs = make_tiny_llm(model).generate(prompts[:3], GREEDY, use_tqdm=False)
+    assert tokens(outs) == [hf_greedy(model, p, GREEDY.max_tokens, stop_at_eos=False) for p in prompts[:3]]
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "mistral"])
+def test_a_draft_model_folder_of_another_architecture_is_refused_by_name(tmp_path, prompts, architecture):
+    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+    if architecture == "gpt2":
+        other = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=4, n_positions=512))
+    else:
+        other = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=512))
+    other.save_pretrained(tmp_path / architecture)
+    tiny_llama(seed=1).save_pretrained(tmp_path / "llama")
+    config = {"method": "draft_model", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]"):
+        make_tiny_llm(tiny_llama(), speculative_config=config | {"model": str(tmp_path / architecture)})
+    llm = make_tiny_llm(tiny_llama(), speculative_config=config | {"model": str(tmp_path / "llama")})
+    assert tokens(llm.generate(prompts[:2], GREEDY, use_tqdm=False)) == \
+        [hf_greedy(tiny_llama(), p, GREEDY.max_tokens, stop_at_eos=False) for p in prompts[:2]]
+    assert llm.spec_stats()["num_drafts"] > 0
 
 
 # ---- properties ----------------------------------------------------------------------------------------------------
