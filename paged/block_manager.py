@@ -268,11 +268,13 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def fork(self, parent_id: int, child_id: int) -> list[int]:
-        """The child shares every block of the parent (copy-on-write happens when one of them writes)."""
+    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None) -> list[int]:
+        """The child shares the parent's blocks (copy-on-write happens when one of them writes): every one, or
+        those that hold the first num_tokens tokens."""
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already has a block table")
-        table = list(self.block_tables[parent_id])
+        table = self.block_tables[parent_id]
+        table = list(table if num_tokens is None else table[:cdiv(num_tokens, self.block_size)])
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_id] = table

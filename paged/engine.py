@@ -155,12 +155,13 @@ class LLMEngine:
         return seq
 
     def fork(self, parent: Sequence) -> Sequence:
-        """A running copy of parent that shares all its blocks; the first write to a shared block copies it."""
+        """A running copy of parent's accepted state that shares its blocks; the first write to a shared block
+        copies it. Parent may be verifying drafts in this step: the copy has its tokens and their K/V only."""
         child = self._new_sequence(parent.request)
         child.token_ids = list(parent.token_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = parent.num_computed_tokens - len(parent.spec_token_ids)
         child.status = SequenceStatus.RUNNING
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent.seq_id, child.seq_id, child.num_computed_tokens)
         self.scheduler.running.append(child)
         return child
 
