@@ -211,21 +211,26 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def recover(self, out: SchedulerOutput) -> None:
-        """Undo a step that was scheduled but did not run to the end (an interrupt, an error in the forward pass):
-        its blocks may hold K/V half written or not at all, so they leave the prefix cache, and its sequences go
-        back to the head of the queue to be recomputed, as after a preemption."""
-        self.block_manager.uncache(out.cached_blocks)
-        for seq in out.swapped_out:  # its copies may not have been made: it is recomputed instead
+    def checkpoint(self) -> tuple:
+        """The queues and counts, for a step that may be undone (LLMEngine.transaction); the sequences in the
+        queues are kept by their requests."""
+        return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
+                self.prefix_query_tokens, self.num_preemptions)
+
+    def restore(self, state: tuple, lost: set[int]) -> None:
+        """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
+        the undone step overwrote, go to the head of the queue to be recomputed, as after a preemption."""
+        self.running, self.waiting, self.swapped, self.prefix_hit_tokens, self.prefix_query_tokens, \
+            self.num_preemptions = state
+        for seq in [seq for seq in self.swapped if seq.seq_id in lost][::-1]:
             self.swapped.remove(seq)
             self.swap_space.discard(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-        for seq, _ in reversed(out.scheduled):
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self._preempt(seq)
+        for seq in [seq for seq in self.running if seq.seq_id in lost][::-1]:
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Free the blocks of sequences that just finished and drop them from the running list."""
