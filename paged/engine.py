@@ -236,11 +236,11 @@ class LLMEngine:
         """Whatever runs inside happens whole or not at all: if it raises (KeyboardInterrupt included), the engine
         is put back as it was when it began, and the exception goes on. Put back: the requests in flight, their
         sequences and metrics, the scheduler's queues, the block manager (tables, ref counts, free blocks, the
-        prefix cache's names), the tiers' indexes, the draft pool, the sampling generators and every count; the
-        LoRA slots keep what was loaded (a slot's id always names the weights it holds). K/V tensors are not
-        copied: a step writes past the computed tokens of every sequence it began with, except in blocks and tier
-        slots it took for fresh use. If it got as far as writing, those lose their cached names, and a sequence
-        it preempted whose blocks it gave to another is recomputed. step() is one; beam search's steps too."""
+        prefix cache's names), the tiers' indexes, the draft pool, the LoRA slots, the sampling generators and
+        every count. K/V tensors are not copied: a step writes past the computed tokens of every sequence it
+        began with, except in blocks and tier slots it took for fresh use. If it got as far as writing, those
+        lose their cached names, and a sequence it preempted whose blocks it gave to another is recomputed.
+        step() is one; each step of a beam search too."""
         saved = self._begin()
         try:
             yield
@@ -255,8 +255,11 @@ class LLMEngine:
             if part is not None:
                 part.begin()
         self._kv_written = False
-        lora = None if self.lora is None else (self.lora.num_steps, list(self.lora.slots.last_used))
-        return (dict(self.requests), [request.checkpoint() for request in self.requests.values()],
+        lora = None if self.lora is None else (self.lora.num_steps, list(self.lora.slots.slot_ids),
+                                               list(self.lora.slots.last_used), self.lora.slots.num_loads,
+                                               self.lora.slots.num_evictions)
+        touched = {seq.request.request_id: seq.request for seq in self.scheduler.may_change()}
+        return (dict(self.requests), [(request, request.checkpoint()) for request in touched.values()],
                 self.scheduler.checkpoint(), self.generator.get_state(), self.num_steps, self.last_schedule,
                 self._next_seq_id, lora)
 
@@ -269,7 +272,7 @@ class LLMEngine:
     def _rollback(self, saved: tuple) -> None:
         self.requests, request_states, scheduler_state, generator_state, self.num_steps, self.last_schedule, \
             self._next_seq_id, lora = saved
-        for request, state in zip(self.requests.values(), request_states):
+        for request, state in request_states:
             request.restore(state)
         lost = set(self.block_manager.rollback(self._kv_written))  # sequences whose K/V the step overwrote
         if self.swap_space is not None:
@@ -281,7 +284,19 @@ class LLMEngine:
         self.scheduler.restore(scheduler_state, lost)
         self.generator.set_state(generator_state)
         if lora is not None:
-            self.lora.num_steps, self.lora.slots.last_used = lora
+            self._restore_lora_slots(*lora)
+
+    def _restore_lora_slots(self, num_steps, slot_ids, last_used, num_loads, num_evictions) -> None:
+        """The adapters each slot held before the undone step: one it replaced is loaded again from the host."""
+        slots = self.lora.slots
+        for slot, lora_id in enumerate(slot_ids):
+            if slots.slot_ids[slot] != lora_id:
+                if lora_id is None:
+                    slots.slot_ids[slot] = None     # empty again: whatever it holds is never read
+                else:
+                    slots.load(self.lora.registry[lora_id], slot)
+        self.lora.num_steps, slots.last_used, slots.num_loads, slots.num_evictions = \
+            num_steps, last_used, num_loads, num_evictions
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[list[int]]:
         """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts

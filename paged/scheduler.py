@@ -18,6 +18,7 @@ The scheduler only names the copies; the engine makes them (`offload.py`).
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 """
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -216,6 +217,12 @@ class Scheduler:
         queues are kept by their requests."""
         return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
                 self.prefix_query_tokens, self.num_preemptions)
+
+    def may_change(self):
+        """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
+        (each takes a seat), not the whole queue behind them."""
+        return itertools.chain(self.running, self.swapped,
+                               itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
 
     def restore(self, state: tuple, lost: set[int]) -> None:
         """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V

@@ -124,7 +124,9 @@ def engine_state(engine) -> dict:
         state["drafts"] = (plain(drafter.block_manager.block_tables), dict(drafter.num_computed),
                            [block.block_id for block in drafter.block_manager.free_queue])
     if engine.lora is not None:
-        state["lora"] = (engine.lora.num_steps, list(engine.lora.slots.last_used))
+        slots = engine.lora.slots
+        state["lora"] = (engine.lora.num_steps, list(slots.slot_ids), list(slots.last_used), slots.num_loads,
+                         slots.num_evictions)
     return state
 
 
@@ -201,9 +203,15 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
-    """Greedy tokens of a roomy engine, by (prompt, adapter), computed once each."""
-    llm, known = make_tiny_llm(tiny_model, num_blocks=256, enable_lora=True, max_loras=2), {}
+def roomy(tiny_model):
+    """An engine that never preempts, caches no prefix and does not speculate: the outputs to reproduce."""
+    return make_tiny_llm(tiny_model, num_blocks=256, enable_lora=True, max_loras=2)
+
+
+@pytest.fixture(scope="module")
+def reference(roomy):
+    """Greedy tokens of the roomy engine, by (prompt, adapter), computed once each."""
+    llm, known = roomy, {}
 
     def greedy(prompt, lora_request=None, params=GREEDY):
         key = (tuple(prompt), lora_request, params.max_tokens)
@@ -232,7 +240,7 @@ features = st.fixed_dictionaries({
     "preemption_mode": st.sampled_from(["recompute", "swap"]), "offload_tier": st.booleans(),
     "speculation": st.sampled_from([None, "ngram", "draft"]), "lora": st.booleans(),
 })
-script = st.lists(st.tuples(st.sampled_from(["step", "interrupt", "interrupt", "add", "beam"]),
+script = st.lists(st.tuples(st.sampled_from(["step", "interrupt", "interrupt", "add"]),
                             st.integers(0, 999), st.booleans()), min_size=3, max_size=14)
 
 
@@ -252,17 +260,18 @@ def build(tiny_model, config) -> "paged.LLM":
     return make_tiny_llm(tiny_model, **kwargs)
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(config=features, ops=script)
-def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, reference, config, ops):
+def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, roomy, reference, config, ops):
     """Random features, random requests, and steps that raise at a random call anywhere inside paged/: each such
     step leaves the engine as before; afterwards every request finishes once with the tokens of a roomy engine
-    (greedy), or with all its completions (sampled), and nothing leaks. Beam searches are interrupted too."""
+    (greedy), or with all its completions (sampled), and nothing leaks. Then a beam search is interrupted the
+    same way: it leaves nothing behind, and the next one finds the roomy engine's beams."""
     llm = build(tiny_model, config)
     engine = llm.engine
     added, finished = {}, {}
-    last_calls = [400]   # calls in a plain step, measured as the test goes: interrupts land anywhere within
+    calls_per_step = 400   # calls in a whole step, measured as the test goes: interrupts land anywhere within
 
     def add(value):
         prompt, params, lora_request = request_of(value, adapters if config["lora"] else None)
@@ -286,17 +295,9 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
         elif op == "step" and engine.has_unfinished_requests():
             tracer = RaiseAtCall()
             collect(tracer.run(engine.step))
-            last_calls[0] = max(tracer.calls, 1)
+            calls_per_step = max(tracer.calls, 1)
         elif op == "interrupt" and engine.has_unfinished_requests():
-            collect(interrupted_step(engine, 1 + value * last_calls[0] // 1000, error))
-        elif op == "beam" and not engine.has_unfinished_requests():
-            prompts = [request_of(value + i, None)[0] for i in range(2)]
-            try:
-                RaiseAtCall(1 + value * 20, error).run(lambda: llm.beam_search(prompts, beam_width=2, max_tokens=3))
-            except (error, ValueError):
-                pass
-            assert engine.requests == {} and not engine.has_unfinished_requests()
-            assert_pool_empty(llm)
+            collect(interrupted_step(engine, 1 + value * calls_per_step // 1000, error))
     for _ in range(300):   # a bound: a request that is never scheduled again fails here rather than hanging
         if not engine.has_unfinished_requests():
             break
@@ -313,6 +314,20 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
     assert_consistent(engine)
     if engine.swap_space is not None:
         assert engine.swap_space.slots == {}
+    _, value, keyboard = ops[0]
+    prompts = [request_of(value + i, None)[0] for i in range(2)]
+    search = lambda: [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, 2, max_tokens=3)]
+    try:
+        RaiseAtCall(1 + value * 20, KeyboardInterrupt if keyboard else Injected).run(search)
+    except (KeyboardInterrupt, Injected, ValueError):   # a ValueError: the pool cannot hold the beams
+        pass
+    assert engine.requests == {}
+    assert_pool_empty(llm)
+    try:
+        beams = search()
+    except ValueError:
+        return
+    assert beams == [[s.token_ids for s in out.sequences] for out in roomy.beam_search(prompts, 2, max_tokens=3)]
 
 
 # ---- one test per way a step used to come apart -----------------------------------------------------------------
@@ -403,6 +418,26 @@ def test_an_interrupt_while_drafts_are_accepted_leaves_no_sequence_past_its_toke
     assert interrupted > 0 and not engine.has_unfinished_requests()
     assert [outputs[i].outputs[0].token_ids for i in ids] == [reference(p) for p in prompts]
     assert_pool_empty(llm)
+
+
+def test_an_interrupted_beam_search_step_leaves_no_cache_entry_for_unwritten_blocks(tiny_model, reference,
+                                                                                     monkeypatch):
+    """Beam search runs its own steps, each a transaction as LLMEngine.step: interrupted in its first schedule,
+    it leaves neither blocks nor cache entries behind, and its beams are then those of a fresh engine."""
+    prompts = [HEADER + random_prompts(1, seed=s, low=5, high=9)[0] for s in (3, 4)]
+    llm = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True)
+    raise_on(monkeypatch, llm.engine.block_manager, "take_pending_copies")
+    with pytest.raises(KeyboardInterrupt):
+        llm.beam_search(prompts, beam_width=2, max_tokens=4)
+    monkeypatch.undo()
+    assert_pool_empty(llm)
+    assert llm.engine.block_manager.cached == {} and llm.engine.requests == {}
+    fresh = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True)
+    beams = [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, beam_width=2, max_tokens=4)]
+    assert beams == [[s.token_ids for s in out.sequences] for out in fresh.beam_search(prompts, beam_width=2,
+                                                                                         max_tokens=4)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [reference(p) for p in prompts]
 
 
 class FlakyTokenizer:
