@@ -266,7 +266,7 @@ class PrefixTier:
     def load(self, seq_id: int, first_index: int, hits: list[TierHit]) -> tuple[list[tuple[int, int]], list[Block]]:
         """seq_id's table, just allocated, receives the hits at indices first_index.. : name those blocks by their
         hashes in the pool's cache. Returns the (tier slot, pool block) copies to make before the step, and the
-        blocks that entered the pool's cache (to take out again if the step fails)."""
+        blocks that entered the pool's cache."""
         copies, registered = [], []
         table = self.block_manager.block_tables[seq_id]
         for index, hit in enumerate(hits, start=first_index):

@@ -36,7 +36,6 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot), before all
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (prefix-tier slot, pool block)
-    swapped_out: list[Sequence] = field(default_factory=list)               # the preempted that were swapped
 
     @property
     def num_batched_tokens(self) -> int:
@@ -194,7 +193,6 @@ class Scheduler:
         if self.swap_space is None or not self.swap_space.can_swap_out(seq.seq_id, seq.num_computed_tokens):
             return False
         out.blocks_to_swap_out += self.swap_space.swap_out(seq.seq_id, seq.num_computed_tokens)
-        out.swapped_out.append(seq)
         seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -103,8 +103,10 @@ def engine_state(engine) -> dict:
         "requests": {rid: {"seqs": {seq.seq_id: sequence_state(seq) for seq in request.seqs},
                            "metrics": plain(dataclasses.asdict(request.metrics))}
                      for rid, request in engine.requests.items()},
-        "queues": {name: [seq.seq_id for seq in getattr(scheduler, name)] for name in ("waiting", "running", "swapped")},
-        "counts": {"prefix_hit_tokens": scheduler.prefix_hit_tokens, "prefix_query_tokens": scheduler.prefix_query_tokens,
+        "queues": {name: [seq.seq_id for seq in getattr(scheduler, name)]
+                   for name in ("waiting", "running", "swapped")},
+        "counts": {"prefix_hit_tokens": scheduler.prefix_hit_tokens,
+                   "prefix_query_tokens": scheduler.prefix_query_tokens,
                    "num_preemptions": scheduler.num_preemptions, "num_steps": engine.num_steps,
                    "next_seq_id": engine._next_seq_id, "spec": engine.spec_stats()},
         "tables": plain(manager.block_tables), "block_hashes": plain(manager.block_hashes),
@@ -378,7 +380,6 @@ def test_an_interrupt_after_a_swap_out_was_planned_swaps_nothing(tiny_model, ref
             outputs.update((o.request_id, o) for o in engine.step())
         except Injected:
             interrupted += 1
-            assert engine.swap_space.slots == {} or engine.swap_space.slots == before["swap"][0]
             assert_as_before(before, engine_state(engine), written=False)
             assert_consistent(engine)
             monkeypatch.undo()
