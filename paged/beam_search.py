@@ -96,35 +96,41 @@ def _search(engine, requests, limits, beam_width):
     usage = {r.request_id: [] for r in requests}
     limit_of = {r.request_id: limit for r, limit in zip(requests, limits)}
     while any(live.values()):
-        plan = engine.scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
-        if not plan.scheduled:
-            raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
-        for request in requests:
-            _record_usage(engine, live[request.request_id], usage[request.request_id])
-        sampled, logits = engine.execute(plan)
-        logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
-        row_of = {seq.seq_id: row for row, seq in enumerate(sampled)}
-        for request in requests:
-            beams = live[request.request_id]
-            if not beams or beams[0][0].seq_id not in row_of:
-                continue  # finished, or its prompt is still being prefilled
-            candidates = []
-            for seq, score in beams:
-                top = logprobs[row_of[seq.seq_id]].topk(2 * beam_width)
-                candidates += [(score + lp, seq, tok) for lp, tok in zip(top.values.tolist(), top.indices.tolist())]
-            candidates.sort(key=lambda c: -c[0])
-            kept = candidates[:beam_width]
-            ends = engine.eos_token_ids
-            done[request.request_id] += [(seq.output_token_ids + [tok], score, True)
-                                         for score, seq, tok in kept if tok in ends]
-            continuing = [(score, seq, tok) for score, seq, tok in kept if tok not in ends]
-            live[request.request_id] = _advance(engine, beams, continuing)
-            beams = live[request.request_id]
-            if beams and len(beams[0][0].output_token_ids) >= limit_of[request.request_id]:
-                done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in beams]
-                _release(engine, [seq for seq, _ in beams])
-                live[request.request_id] = []
+        with engine.transaction():  # a beam step happens whole or not at all, as LLMEngine.step does
+            _step(engine, requests, live, done, usage, limit_of, beam_width)
     return done, usage
+
+
+def _step(engine, requests, live, done, usage, limit_of, beam_width) -> None:
+    """One forward pass over every live beam; each prompt keeps its beam_width best candidates."""
+    plan = engine.scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
+    if not plan.scheduled:
+        raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
+    for request in requests:
+        _record_usage(engine, live[request.request_id], usage[request.request_id])
+    sampled, logits = engine.execute(plan)
+    logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
+    row_of = {seq.seq_id: row for row, seq in enumerate(sampled)}
+    for request in requests:
+        beams = live[request.request_id]
+        if not beams or beams[0][0].seq_id not in row_of:
+            continue  # finished, or its prompt is still being prefilled
+        candidates = []
+        for seq, score in beams:
+            top = logprobs[row_of[seq.seq_id]].topk(2 * beam_width)
+            candidates += [(score + lp, seq, tok) for lp, tok in zip(top.values.tolist(), top.indices.tolist())]
+        candidates.sort(key=lambda c: -c[0])
+        kept = candidates[:beam_width]
+        ends = engine.eos_token_ids
+        done[request.request_id] += [(seq.output_token_ids + [tok], score, True)
+                                     for score, seq, tok in kept if tok in ends]
+        continuing = [(score, seq, tok) for score, seq, tok in kept if tok not in ends]
+        live[request.request_id] = _advance(engine, beams, continuing)
+        beams = live[request.request_id]
+        if beams and len(beams[0][0].output_token_ids) >= limit_of[request.request_id]:
+            done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in beams]
+            _release(engine, [seq for seq, _ in beams])
+            live[request.request_id] = []
 
 
 def _advance(engine, beams, continuing) -> list[tuple[Sequence, float]]:

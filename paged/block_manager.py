@@ -17,6 +17,10 @@ is salted per process. A block
 whose count drops to zero keeps its contents and its hash and waits in the free queue; a new sequence whose prompt
 starts with the same blocks takes them back instead of computing them again. The free queue is the LRU order of
 eviction: a block taken from its head for fresh use loses its hash then, and only then.
+
+An engine step is a transaction (guide §11): `begin` keeps what `rollback` needs to put the manager back as it was,
+cheaply (the tables are copied; the free queue and the prefix cache's names keep a log of their changes, undone in
+reverse), and `commit` drops it.
 """
 
 import enum
@@ -75,16 +79,21 @@ class FreeBlockQueue:
         self._head, self._tail = Block(-1), Block(-1)
         self._head.next_free, self._tail.prev_free = self._tail, self._head
         self.num_free = 0
+        self.log: list[tuple[Block, Block | None]] | None = None  # in a transaction: (block, its prev) per change
         for block in blocks:
             self.append(block)
 
     def append(self, block: Block) -> None:
+        if self.log is not None:
+            self.log.append((block, None))
         last = self._tail.prev_free
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1
 
     def remove(self, block: Block) -> None:
+        if self.log is not None:
+            self.log.append((block, block.prev_free))
         block.prev_free.next_free, block.next_free.prev_free = block.next_free, block.prev_free
         block.prev_free = block.next_free = None
         self.num_free -= 1
@@ -95,6 +104,17 @@ class FreeBlockQueue:
         block = self._head.next_free
         self.remove(block)
         return block
+
+    def undo(self) -> None:
+        """Undo the logged changes, newest first: each block goes back exactly where it was, and the log closes."""
+        log, self.log = self.log, None
+        for block, prev in reversed(log):
+            if prev is None:       # it was appended: unlink it
+                self.remove(block)
+            else:                  # it was removed: link it again after the block that preceded it
+                block.prev_free, block.next_free = prev, prev.next_free
+                prev.next_free.prev_free = prev.next_free = block
+                self.num_free += 1
 
     def __iter__(self):
         block = self._head.next_free
@@ -126,6 +146,9 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}            # block hash -> block holding those tokens
         self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full, registered blocks
         self.pending_copies: list[tuple[int, int]] = [] # copy-on-write (src, dst) block copies not yet done
+        self._saved = None        # in a transaction: the tables, hashes and pending copies as they were
+        self._renamed = None      # in a transaction: (block, its hash, its key) before each change of its name
+        self._fresh = None        # in a transaction: the blocks taken for fresh use, whose old contents may go
 
     @property
     def num_free_blocks(self) -> int:
@@ -185,11 +208,22 @@ class BlockManager:
 
     def _take_free_block(self) -> Block:
         block = self.free_queue.popleft()
+        if self._fresh is not None:
+            self._fresh.append(block)
         if block.block_hash is not None:  # evict: the least recently used cached block is reused
-            del self.cached[block.block_hash]
-            block.block_hash = block.hash_key = None
+            self._rename(block, None, None)
         block.ref_count = 1
         return block
+
+    def _rename(self, block: Block, block_hash: bytes | None, key: tuple | None) -> None:
+        """Name block in the prefix cache by block_hash (None: take its name out), logged in a transaction."""
+        if self._renamed is not None:
+            self._renamed.append((block, block.block_hash, block.hash_key))
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash, block.hash_key = block_hash, key
+        if block_hash is not None:
+            self.cached[block_hash] = block
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -238,8 +272,7 @@ class BlockManager:
             hashes.append(block_hash)
             block = self.blocks[table[index]]
             if block_hash not in self.cached and block.block_hash is None:  # keep the first copy of a prefix
-                block.block_hash, block.hash_key = block_hash, key
-                self.cached[block_hash] = block
+                self._rename(block, block_hash, key)
                 registered.append(block)
         return registered
 
@@ -252,27 +285,20 @@ class BlockManager:
         block = self.blocks[self.block_tables[seq_id][index]]
         if block_hash in self.cached:
             return None
-        block.block_hash, block.hash_key = block_hash, key
-        self.cached[block_hash] = block
+        self._rename(block, block_hash, key)
         return block
-
-    def uncache(self, blocks: list[Block]) -> None:
-        """Take blocks out of the prefix cache: the step that was to write their K/V did not run to the end, so
-        nobody may find them by their hash."""
-        for block in blocks:
-            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = block.hash_key = None
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self.cached)
 
-    def fork(self, parent_id: int, child_id: int) -> list[int]:
-        """The child shares every block of the parent (copy-on-write happens when one of them writes)."""
+    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None) -> list[int]:
+        """The child shares the parent's blocks (copy-on-write happens when one of them writes): every one, or
+        those that hold the first num_tokens tokens."""
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already has a block table")
-        table = list(self.block_tables[parent_id])
+        table = self.block_tables[parent_id]
+        table = list(table if num_tokens is None else table[:cdiv(num_tokens, self.block_size)])
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_id] = table
@@ -303,6 +329,44 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+
+    # ---- transactions ---------------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Open a transaction: from now on rollback can put every table, ref count, free block and cached name back
+        as it is now. Costs a copy of the tables (the blocks in use), not of the pool."""
+        self._saved = ({seq_id: list(table) for seq_id, table in self.block_tables.items()},
+                       {seq_id: list(hashes) for seq_id, hashes in self.block_hashes.items()},
+                       list(self.pending_copies))
+        self.free_queue.log, self._renamed, self._fresh = [], [], []
+
+    def commit(self) -> None:
+        """Close the transaction: what it did stays."""
+        self._saved = self.free_queue.log = self._renamed = self._fresh = None
+
+    def rollback(self, written: bool) -> list[int]:
+        """Put the manager back as it was at begin and close the transaction. The free queue comes back in its
+        order. written: K/V tensors were written since begin, into the blocks taken for fresh use; those blocks
+        then keep no cached name, and the ids of sequences whose restored tables hold one of them (a sequence
+        preempted in the meantime, its blocks given to another) are returned: their K/V are gone."""
+        tables, hashes, pending = self._saved
+        renamed, fresh = self._renamed, {block.block_id for block in self._fresh}
+        self.free_queue.undo()
+        self.commit()
+        for block, block_hash, key in reversed(renamed):   # newest first, each name back as it was
+            self._rename(block, block_hash, key)
+        self.block_tables, self.block_hashes, self.pending_copies = tables, hashes, pending
+        for block in self.blocks:       # a block's count is the number of tables that hold it
+            block.ref_count = 0
+        for table in tables.values():
+            for block_id in table:
+                self.blocks[block_id].ref_count += 1
+        if not written:
+            return []
+        for block_id in fresh:
+            if self.blocks[block_id].block_hash is not None:
+                self._rename(self.blocks[block_id], None, None)
+        return [seq_id for seq_id, table in tables.items() if not fresh.isdisjoint(table)]
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Physical slots of tokens start..end-1 of seq_id."""

@@ -4,8 +4,8 @@
 
 `LLM.generate` does exactly that for a list of prompts, with a progress bar. Every request is validated before
 anything is queued, so a bad prompt raises a `ValueError` and leaves the engine as it was. A step happens whole or
-not at all: if it is interrupted (KeyboardInterrupt, an error in a forward observer or the forward pass), its
-sequences are rolled back to be recomputed and nothing it did not compute stays in the prefix cache.
+not at all (`LLMEngine.transaction`): if anything in it raises (KeyboardInterrupt, an error while scheduling, in a
+forward observer, the forward pass, sampling, or detokenizing), the engine is put back as it was before the step.
 """
 
 import contextlib
@@ -59,7 +59,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(model.config)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self._seq_counter = itertools.count()
+        self._next_seq_id = 0
+        self._kv_written = False  # within a step: K/V tensors have been written (transaction)
         self.num_steps = 0
         self.last_schedule = None
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
@@ -150,17 +151,19 @@ class LLMEngine:
         generator = None
         if request.params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
-        seq = Sequence(next(self._seq_counter), request, index, generator)
+        seq = Sequence(self._next_seq_id, request, index, generator)
+        self._next_seq_id += 1
         request.seqs.append(seq)
         return seq
 
     def fork(self, parent: Sequence) -> Sequence:
-        """A running copy of parent that shares all its blocks; the first write to a shared block copies it."""
+        """A running copy of parent's accepted state that shares its blocks; the first write to a shared block
+        copies it. Parent may be verifying drafts in this step: the copy has its tokens and their K/V only."""
         child = self._new_sequence(parent.request)
         child.token_ids = list(parent.token_ids)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = parent.num_computed_tokens - len(parent.spec_token_ids)
         child.status = SequenceStatus.RUNNING
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.block_manager.fork(parent.seq_id, child.seq_id, child.num_computed_tokens)
         self.scheduler.running.append(child)
         return child
 
@@ -186,7 +189,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over every scheduled token, sample; returns the requests that finished.
-        With speculation on, decoding sequences first propose draft tokens, which the forward pass verifies."""
+        With speculation on, decoding sequences first propose draft tokens, which the forward pass verifies.
+        A transaction: if anything in it raises, the engine is as it was before the step."""
+        with self.transaction():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len, self.generator)
         plan = self.last_schedule = self.scheduler.schedule()  # kept for timelines and widgets
@@ -200,16 +208,11 @@ class LLMEngine:
         for seq in sampled_seqs:
             first_rows.append(first_rows[-1] + 1 + len(seq.spec_token_ids))
         rows = first_rows[:-1]
-        try:
-            for row, seq in zip(list(rows), list(sampled_seqs)):
-                while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
-                    sampled_seqs.append(self.fork(seq))
-                    rows.append(row)
-            new_tokens = self._sample(sampled_seqs, logits, rows)
-        except BaseException:  # no token sampled: each sequence computes its last token (and drafts) again
-            for seq in sampled_seqs:
-                seq.num_computed_tokens -= 1 + len(seq.spec_token_ids)
-            raise
+        for row, seq in zip(list(rows), list(sampled_seqs)):
+            while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
+                sampled_seqs.append(self.fork(seq))
+                rows.append(row)
+        new_tokens = self._sample(sampled_seqs, logits, rows)
         now = self.clock()
         finished = []
         for seq, tokens in zip(sampled_seqs, new_tokens):
@@ -227,6 +230,73 @@ class LLMEngine:
         return [self._finish_request(request) for request in {seq.request.request_id: seq.request
                                                               for seq in finished}.values()
                 if request.is_finished]
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """Whatever runs inside happens whole or not at all: if it raises (KeyboardInterrupt included), the engine
+        is put back as it was when it began, and the exception goes on. Put back: the requests in flight, their
+        sequences and metrics, the scheduler's queues, the block manager (tables, ref counts, free blocks, the
+        prefix cache's names), the tiers' indexes, the draft pool, the LoRA slots, the sampling generators and
+        every count. K/V tensors are not copied: a step writes past the computed tokens of every sequence it
+        began with, except in blocks and tier slots it took for fresh use. If it got as far as writing, those
+        lose their cached names, and a sequence it preempted whose blocks it gave to another is recomputed.
+        step() is one; each step of a beam search too."""
+        saved = self._begin()
+        try:
+            yield
+        except BaseException:
+            self._rollback(saved)
+            raise
+        self._commit()
+
+    def _begin(self) -> tuple:
+        self.block_manager.begin()
+        for part in (self.swap_space, self.prefix_tier, self.speculator):
+            if part is not None:
+                part.begin()
+        self._kv_written = False
+        lora = None if self.lora is None else (self.lora.num_steps, list(self.lora.slots.slot_ids),
+                                               list(self.lora.slots.last_used), self.lora.slots.num_loads,
+                                               self.lora.slots.num_evictions)
+        touched = {seq.request.request_id: seq.request for seq in self.scheduler.may_change()}
+        return (dict(self.requests), [(request, request.checkpoint()) for request in touched.values()],
+                self.scheduler.checkpoint(), self.generator.get_state(), self.num_steps, self.last_schedule,
+                self._next_seq_id, lora)
+
+    def _commit(self) -> None:
+        self.block_manager.commit()
+        for part in (self.swap_space, self.prefix_tier, self.speculator):
+            if part is not None:
+                part.commit()
+
+    def _rollback(self, saved: tuple) -> None:
+        self.requests, request_states, scheduler_state, generator_state, self.num_steps, self.last_schedule, \
+            self._next_seq_id, lora = saved
+        for request, state in request_states:
+            request.restore(state)
+        lost = set(self.block_manager.rollback(self._kv_written))  # sequences whose K/V the step overwrote
+        if self.swap_space is not None:
+            lost.update(self.swap_space.rollback(self._kv_written))
+        if self.prefix_tier is not None:
+            self.prefix_tier.rollback(self._kv_written)
+        if self.speculator is not None:
+            self.speculator.rollback()
+        self.scheduler.restore(scheduler_state, lost)
+        self.generator.set_state(generator_state)
+        if lora is not None:
+            self._restore_lora_slots(*lora)
+
+    def _restore_lora_slots(self, num_steps, slot_ids, last_used, num_loads, num_evictions) -> None:
+        """The adapters each slot held before the undone step: one it replaced is loaded again from the host."""
+        slots = self.lora.slots
+        for slot, lora_id in enumerate(slot_ids):
+            if slots.slot_ids[slot] != lora_id:
+                if lora_id is None:
+                    slots.slot_ids[slot] = None     # empty again: whatever it holds is never read
+                else:
+                    slots.load(self.lora.registry[lora_id], slot)
+        self.lora.num_steps, slots.last_used, slots.num_loads, slots.num_evictions = \
+            num_steps, last_used, num_loads, num_evictions
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[list[int]]:
         """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts
@@ -271,15 +341,7 @@ class LLMEngine:
     def execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
         """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
         logits [rows, vocab]: one row per sequence, or 1 + k for one verifying k drafts, in order; the caller
-        samples (step) or searches (beam_search). If anything fails on the way, the scheduler rolls the step
-        back before the error goes on."""
-        try:
-            return self._execute(plan)
-        except BaseException:
-            self.scheduler.recover(plan)
-            raise
-
-    def _execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
+        samples (step) or searches (beam_search), inside a transaction that undoes the step if anything fails."""
         self.num_steps += 1
         for observe in self.forward_observers:  # the tables are as this step uses them, copies made or queued
             observe(plan)
@@ -301,6 +363,7 @@ class LLMEngine:
             if reaches_end:
                 sampled_seqs.append(seq)
         input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.device)
+        self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
         if plan.blocks_to_swap_out:  # first the reads of blocks freed this step, then the writes (guide §15)
             self.swap_space.tier.save(plan.blocks_to_swap_out)
         if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes

@@ -22,6 +22,7 @@ Two uses, two tiers, two bookkeepers:
 
 The scheduler decides which blocks move (it touches no tensor); the engine makes the copies before the forward pass
 (swap-outs, then copy-on-write, then swap-ins and tier hits) and stores the step's new cached blocks after it.
+Both bookkeepers take part in the engine step's transaction (`begin`, `commit`, `rollback`), as the pool's does.
 """
 
 import fcntl
@@ -155,6 +156,7 @@ class KVTier:
             self.file = TierFile.create(Path(path), kind) if kind is not None else TierFile.claim(Path(path))
             self.storage = self.file.map(shape, pool.dtype)
         self.free_slots = deque(range(num_slots))
+        self.log: list | None = None  # in a transaction: per call, the slots taken (a list) or how many given back
 
     @property
     def path(self) -> Path | None:
@@ -174,10 +176,29 @@ class KVTier:
     def take(self, count: int) -> list[int]:
         if count > len(self.free_slots):
             raise ValueError(f"the tier has {len(self.free_slots)} free slots, {count} asked for")
-        return [self.free_slots.popleft() for _ in range(count)]
+        slots = [self.free_slots.popleft() for _ in range(count)]
+        if self.log is not None:
+            self.log.append(slots)
+        return slots
 
     def give_back(self, slots: list[int]) -> None:
         self.free_slots.extend(slots)
+        if self.log is not None:
+            self.log.append(len(slots))
+
+    def undo(self) -> set[int]:
+        """Undo the logged takes and give-backs, newest first, so the free list is as it was, and close the log.
+        Returns the slots taken meanwhile: whatever they held may have been overwritten."""
+        log, self.log = self.log, None
+        taken = set()
+        for entry in reversed(log):
+            if isinstance(entry, int):
+                for _ in range(entry):
+                    self.free_slots.pop()
+            else:
+                self.free_slots.extendleft(reversed(entry))
+                taken.update(entry)
+        return taken
 
     def save(self, copies: list[tuple[int, int]]) -> None:
         """(pool block, tier slot) pairs, distinct slots: every layer's K and V of the block into the slot."""
@@ -313,6 +334,7 @@ class SwapSpace:
         self.slots: dict[int, list[int]] = {}  # seq_id -> tier slots of its blocks
         self.swap_out_blocks = 0                # cumulative
         self.swap_in_blocks = 0
+        self._saved = None                      # in a transaction: the slots and counts as they were
 
     def can_swap_out(self, seq_id: int, num_tokens: int) -> bool:
         """Can seq_id's blocks holding its first num_tokens tokens move out whole? Not if one of them is shared."""
@@ -344,6 +366,21 @@ class SwapSpace:
         """Forget a swapped sequence (aborted, or to be recomputed instead)."""
         self.tier.give_back(self.slots.pop(seq_id, []))
 
+    def begin(self) -> None:
+        self._saved = dict(self.slots), self.swap_out_blocks, self.swap_in_blocks
+        self.tier.log = []
+
+    def commit(self) -> None:
+        self._saved = self.tier.log = None
+
+    def rollback(self, written: bool) -> list[int]:
+        """Back to begin. written: K/V were written since, into the slots taken meanwhile; returns the swapped
+        sequences whose slots were among them (their K/V are gone)."""
+        self.slots, self.swap_out_blocks, self.swap_in_blocks = self._saved
+        self._saved = None
+        taken = self.tier.undo()
+        return [seq_id for seq_id, slots in self.slots.items() if not taken.isdisjoint(slots)] if written else []
+
     @property
     def num_swapped(self) -> int:
         return len(self.slots)
@@ -365,6 +402,8 @@ class PrefixTier:
         self.entries: OrderedDict[bytes, tuple[tuple, int]] = OrderedDict()
         self.stored_blocks = 0  # cumulative: blocks copied into the tier
         self.hit_tokens = 0     # cumulative: prompt tokens loaded from the tier instead of computed
+        self._saved = None      # in a transaction: the counts as they were
+        self._log = None        # in a transaction: (hash, its entry before: None if there was none) per change
 
     def find(self, token_ids: list[int], extra_key, skip: int) -> list[TierHit]:
         """The run of a new prompt's full blocks after its first `skip` (the pool's hits) that the tier holds."""
@@ -381,7 +420,7 @@ class PrefixTier:
     def load(self, seq_id: int, first_index: int, hits: list[TierHit]) -> tuple[list[tuple[int, int]], list[Block]]:
         """seq_id's table, just allocated, receives the hits at indices first_index.. : name those blocks by their
         hashes in the pool's cache. Returns the (tier slot, pool block) copies to make before the step, and the
-        blocks that entered the pool's cache (to take out again if the step fails)."""
+        blocks that entered the pool's cache."""
         copies, registered = [], []
         table = self.block_manager.block_tables[seq_id]
         for index, hit in enumerate(hits, start=first_index):
@@ -402,13 +441,43 @@ class PrefixTier:
                 self.entries.move_to_end(block.block_hash)
                 continue
             if self.tier.num_free == 0:
-                _, (_, slot) = self.entries.popitem(last=False)
-                self.tier.give_back([slot])
+                evicted, entry = self.entries.popitem(last=False)
+                self._logged(evicted, entry)
+                self.tier.give_back([entry[1]])
             slot = self.tier.take(1)[0]
             try:
                 self.tier.save([(block.block_id, slot)])
             except BaseException:
                 self.tier.give_back([slot])
                 raise
+            self._logged(block.block_hash, None)
             self.entries[block.block_hash] = (block.hash_key, slot)
             self.stored_blocks += 1
+
+    def _logged(self, block_hash: bytes, entry) -> None:
+        if self._log is not None:
+            self._log.append((block_hash, entry))
+
+    def begin(self) -> None:
+        self._saved, self._log, self.tier.log = (self.stored_blocks, self.hit_tokens), [], []
+
+    def commit(self) -> None:
+        self._saved = self._log = self.tier.log = None
+
+    def rollback(self, written: bool) -> None:
+        """Back to begin: entries stored meanwhile go, evicted ones come back at the least recently used end (an
+        entry only used meanwhile keeps its new place); but if written (K/V were written since), an evicted entry
+        whose slot was taken again is gone."""
+        self.stored_blocks, self.hit_tokens = self._saved
+        log, self._saved, self._log = self._log, None, None
+        taken = self.tier.undo()
+        for block_hash, entry in reversed(log):
+            if entry is None:
+                del self.entries[block_hash]
+            else:
+                self.entries[block_hash] = entry
+                self.entries.move_to_end(block_hash, last=False)
+        for block_hash, entry in log if written else ():
+            if entry is not None and self.entries.get(block_hash) is entry and entry[1] in taken:
+                del self.entries[block_hash]
+                self.tier.give_back([entry[1]])

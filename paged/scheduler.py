@@ -18,6 +18,7 @@ The scheduler only names the copies; the engine makes them (`offload.py`).
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 """
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,7 +36,6 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot), before all
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (prefix-tier slot, pool block)
-    swapped_out: list[Sequence] = field(default_factory=list)               # the preempted that were swapped
 
     @property
     def num_batched_tokens(self) -> int:
@@ -193,7 +193,6 @@ class Scheduler:
         if self.swap_space is None or not self.swap_space.can_swap_out(seq.seq_id, seq.num_computed_tokens):
             return False
         out.blocks_to_swap_out += self.swap_space.swap_out(seq.seq_id, seq.num_computed_tokens)
-        out.swapped_out.append(seq)
         seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -211,21 +210,32 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def recover(self, out: SchedulerOutput) -> None:
-        """Undo a step that was scheduled but did not run to the end (an interrupt, an error in the forward pass):
-        its blocks may hold K/V half written or not at all, so they leave the prefix cache, and its sequences go
-        back to the head of the queue to be recomputed, as after a preemption."""
-        self.block_manager.uncache(out.cached_blocks)
-        for seq in out.swapped_out:  # its copies may not have been made: it is recomputed instead
+    def checkpoint(self) -> tuple:
+        """The queues and counts, for a step that may be undone (LLMEngine.transaction); the sequences in the
+        queues are kept by their requests."""
+        return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
+                self.prefix_query_tokens, self.num_preemptions)
+
+    def may_change(self):
+        """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
+        (each takes a seat), not the whole queue behind them."""
+        return itertools.chain(self.running, self.swapped,
+                               itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
+
+    def restore(self, state: tuple, lost: set[int]) -> None:
+        """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
+        the undone step overwrote, go to the head of the queue to be recomputed, as after a preemption."""
+        self.running, self.waiting, self.swapped, self.prefix_hit_tokens, self.prefix_query_tokens, \
+            self.num_preemptions = state
+        for seq in [seq for seq in self.swapped if seq.seq_id in lost][::-1]:
             self.swapped.remove(seq)
             self.swap_space.discard(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
-        for seq, _ in reversed(out.scheduled):
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-                self._preempt(seq)
+        for seq in [seq for seq in self.running if seq.seq_id in lost][::-1]:
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Free the blocks of sequences that just finished and drop them from the running list."""

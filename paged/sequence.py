@@ -61,6 +61,20 @@ class Sequence:
         """Running sequences this one will count for: itself and the completions still to fork from it."""
         return 1 + self.params.n - len(self.request.seqs)
 
+    def checkpoint(self) -> tuple:
+        """What an undone engine step puts back (LLMEngine.transaction). A step only appends to token_ids, so
+        their count is enough; a seeded generator's state is kept too, so a sample drawn is drawn again."""
+        return (len(self.token_ids), self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions,
+                list(self.spec_token_ids), self.spec_draft_probs,
+                None if self.generator is None else self.generator.get_state())
+
+    def restore(self, state: tuple) -> None:
+        num_tokens, self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions, \
+            self.spec_token_ids, self.spec_draft_probs, generator_state = state
+        del self.token_ids[num_tokens:]
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
+
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"{self.status.value})")
@@ -77,6 +91,15 @@ class RequestMetrics:
     num_draft_tokens: int = 0       # speculative tokens proposed for this request (guide §14)
     num_accepted_tokens: int = 0    # of those, the ones the target accepted
     token_times: list[float] = field(default_factory=list)  # when each output token was appended
+
+    def checkpoint(self) -> tuple:
+        return (self.first_scheduled_time, self.first_token_time, self.finished_time, self.num_draft_tokens,
+                self.num_accepted_tokens, len(self.token_times))
+
+    def restore(self, state: tuple) -> None:
+        self.first_scheduled_time, self.first_token_time, self.finished_time, self.num_draft_tokens, \
+            self.num_accepted_tokens, num_token_times = state
+        del self.token_times[num_token_times:]
 
     @property
     def ttft(self) -> float | None:
@@ -102,6 +125,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    def checkpoint(self) -> tuple:
+        """Its sequences (those forked later are dropped on restore) and metrics, for LLMEngine.transaction."""
+        return len(self.seqs), [seq.checkpoint() for seq in self.seqs], self.metrics.checkpoint()
+
+    def restore(self, state: tuple) -> None:
+        num_seqs, seq_states, metrics = state
+        del self.seqs[num_seqs:]
+        for seq, seq_state in zip(self.seqs, seq_states):
+            seq.restore(seq_state)
+        self.metrics.restore(metrics)
 
     @property
     def lora_int_id(self) -> int:

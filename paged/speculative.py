@@ -213,6 +213,7 @@ class DraftModelProposer:
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=model.device)
         self.num_computed: dict[int, int] = {}  # seq_id -> leading tokens whose K/V the draft pool holds
+        self._saved = None                      # in a transaction: num_computed as it was
 
     def propose(self, seqs, lengths: list[int], default_generator) -> None:
         """Sets seq.spec_token_ids (and spec_draft_probs for sampled rows) for each seq, up to lengths[i] tokens."""
@@ -258,6 +259,22 @@ class DraftModelProposer:
             self.block_manager.free(seq_id)
             self.num_computed.pop(seq_id, None)
 
+    def begin(self) -> None:
+        self.block_manager.begin()
+        self._saved = dict(self.num_computed)
+
+    def commit(self) -> None:
+        self.block_manager.commit()
+        self._saved = None
+
+    def rollback(self) -> None:
+        """Back to begin; a sequence whose draft blocks went to another meanwhile computes its draft K/V again."""
+        lost = self.block_manager.rollback(written=True)
+        self.num_computed, self._saved = self._saved, None
+        for seq_id in lost:
+            self.block_manager.free(seq_id)
+            self.num_computed.pop(seq_id, None)
+
 
 def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """logits [rows, vocab] of one sequence -> its filtered probabilities [rows, vocab] (temperature, top-k, top-p)."""
@@ -281,6 +298,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * self.k
+        self._saved = None  # in a transaction: the counts as they were
 
     def propose(self, running, max_model_len: int, default_generator) -> None:
         seqs, lengths = [], []
@@ -325,6 +343,25 @@ class Speculator:
     def release(self, live_seq_ids: set[int]) -> None:
         if self.drafter is not None:
             self.drafter.release(live_seq_ids)
+
+    def begin(self) -> None:
+        """Open the engine step's transaction: the counts and the draft pool can be put back as they are now."""
+        self._saved = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                       list(self.num_accepted_tokens_per_pos))
+        if self.drafter is not None:
+            self.drafter.begin()
+
+    def commit(self) -> None:
+        self._saved = None
+        if self.drafter is not None:
+            self.drafter.commit()
+
+    def rollback(self) -> None:
+        self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_accepted_tokens_per_pos = \
+            self._saved
+        self._saved = None
+        if self.drafter is not None:
+            self.drafter.rollback()
 
     def stats(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

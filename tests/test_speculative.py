@@ -246,3 +246,30 @@ def test_measure_step_times_decodes_and_verifies_and_gives_the_pool_back(tiny_mo
     llm.engine.add_request(llm.engine.make_request([1, 2, 3], GREEDY))
     with pytest.raises(ValueError, match="idle engine"):
         measure_step(llm.engine, 1, 1, context=4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "early-exit"])
+def test_forks_made_while_their_parent_verifies_drafts_take_only_its_accepted_tokens(tiny_model, method):
+    """n > 1 with chunked prefill: a prompt's last chunk of one token looks like a decode, so it proposes drafts,
+    and the step that verifies them also forks the other completions. A fork copies the parent's tokens and
+    their K/V, never the drafts: one that started past its own tokens would never be scheduled again (the
+    request hangs, then the scheduler finds nothing to run). top_k=1 makes every completion the greedy one."""
+    config = {**configs(tiny_model)[method], "num_speculative_tokens": 3}
+    llm = make_tiny_llm(tiny_model, num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                        max_num_seqs=4, speculative_config=config)
+    engine = llm.engine
+    prompt = looping_prompts(1, seed=5)[0][:17]   # 16 tokens in the first chunk, 1 in the second
+    assert len(prompt) == 17
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True)
+    engine.add_request(engine.make_request(prompt, params))
+    outputs = []
+    for _ in range(30):   # a few steps do it; a hang stops here instead of stalling the suite
+        if not engine.has_unfinished_requests():
+            break
+        outputs += engine.step()
+    assert not engine.has_unfinished_requests(), "the completions forked from a drafting parent never ran again"
+    greedy = make_tiny_llm(tiny_model, num_blocks=64).generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert [c.token_ids for c in outputs[0].outputs] == [greedy.outputs[0].token_ids[:10]] * 3
+    assert llm.spec_stats()["num_drafts"] > 0
+    assert_pool_empty(llm)
+    assert_draft_pool_empty(llm)
