@@ -26,7 +26,7 @@ test: $(STAMP)
 # the chapters again on one thread and on a vector instruction set other than this CPU's best (AVX2 where the CPU has
 # AVX-512, torch's plain C++ paths where it has AVX2): an output that depends on the machine fails here
 test-portable: $(STAMP)
-	if grep -qw avx512f /proc/cpuinfo; then \
+	@if grep -qw avx512f /proc/cpuinfo; then \
 	  isa="ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"; \
 	else \
 	  isa="ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2"; \
