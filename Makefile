@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench clean
+.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench bench-serve clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,10 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# benchmarks/serve_bench.py against `python -m paged serve`, and against `vllm serve` where .venv-vllm has vLLM
+bench-serve: $(STAMP)
+	PY=$(BIN)/python benchmarks/serve_vs_vllm.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

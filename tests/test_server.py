@@ -56,36 +56,48 @@ def metric_samples(url: str) -> dict[str, float]:
 def test_completions_and_chat_equal_generate(smollm2):
     questions = ["What is the capital of France?", "Name a colour."]
     prompts = [chat_prompt(smollm2.tokenizer, q) for q in questions]
-    expected = [o.outputs[0].text for o in smollm2.generate(prompts, SamplingParams(max_tokens=12, temperature=0),
-                                                            use_tqdm=False)]
-    pirate = smollm2.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False,
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    expected = [o.outputs[0].text for o in smollm2.generate(prompts, greedy, use_tqdm=False)]
+    pirate = smollm2.generate(prompts[0], greedy, use_tqdm=False,
                               lora_request=LoRARequest("pirate", 1, PIRATE))[0].outputs[0].text
-    with server(smollm2, "smollm2", lora_modules={"pirate": PIRATE}) as (url, client):
-        assert [m.id for m in client.models.list().data] == ["smollm2", "pirate"]
-        for prompt, question, text in zip(prompts, questions, expected):
-            done = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
-            assert done.choices[0].text == text and done.usage.completion_tokens > 0
-            chunks = list(client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == text
-            assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens   # usage in the last chunk
-            chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
-                                                  max_tokens=12, temperature=0)
-            assert chat.choices[0].message.content == text
-            streamed = client.chat.completions.create(model="smollm2", max_tokens=12, temperature=0, stream=True,
-                                                      messages=[{"role": "user", "content": question}])
-            assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
-        adapter = client.completions.create(model="pirate", prompt=prompts[0], max_tokens=12, temperature=0)
-        assert adapter.choices[0].text == pirate != expected[0]
-        # a stop string ends the text before it, streamed or not
-        cut = expected[0][:expected[0].index(" ", 3)]
-        stop = expected[0][len(cut):len(cut) + 3]
-        stopped = client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=12, temperature=0,
-                                            stop=[stop])
-        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
-        chunks = client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=12, temperature=0,
-                                           stop=stop, stream=True)
-        assert "".join(c.choices[0].text for c in chunks) == cut
+    cut = expected[0][:expected[0].index(" ", 3)]          # a stop string ends the text before it
+    stop = expected[0][len(cut):len(cut) + 3]
+    with server(smollm2, "smollm2", lora_modules={"pirate": PIRATE}) as (url, _):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=4 * DEADLINE_S, max_retries=0)
+        args = {"model": "smollm2", "max_tokens": 10, "temperature": 0}
+
+        async def completion(prompt, **kwargs):
+            done = await client.completions.create(prompt=prompt, **{**args, **kwargs})
+            return done.choices[0].text, done.choices[0].finish_reason, done.usage.completion_tokens
+
+        async def streamed(prompt, **kwargs):
+            chunks = [c async for c in await client.completions.create(
+                prompt=prompt, stream=True, stream_options={"include_usage": True}, **{**args, **kwargs})]
+            assert all(c.usage is None for c in chunks[:-1]) and not chunks[-1].choices   # usage: the last chunk
+            return "".join(c.choices[0].text for c in chunks[:-1]), chunks[-1].usage.completion_tokens
+
+        async def chat(question, stream):
+            answer = await client.chat.completions.create(
+                messages=[{"role": "user", "content": question}], stream=stream, **args)
+            if not stream:
+                return answer.choices[0].message.content
+            return "".join([c.choices[0].delta.content or "" async for c in answer])
+
+        async def everything():   # at once: they share the engine's steps
+            models = await client.models.list()
+            return [m.id for m in models.data], await asyncio.wait_for(asyncio.gather(
+                *(completion(p) for p in prompts), *(streamed(p) for p in prompts),
+                *(chat(q, False) for q in questions), *(chat(q, True) for q in questions),
+                completion(prompts[0], model="pirate"), completion(prompts[0], stop=[stop]),
+                streamed(prompts[0], stop=stop)), 4 * DEADLINE_S)
+
+        names, results = asyncio.run(everything())
+    assert names == ["smollm2", "pirate"]
+    done, flowing, chats, chat_streams = results[0:2], results[2:4], results[4:6], results[6:8]
+    assert [text for text, _, _ in done] == expected == [text for text, _ in flowing] == chats == chat_streams
+    assert [n for _, _, n in done] == [n for _, n in flowing]
+    assert results[8][0] == pirate != expected[0]
+    assert results[9][:2] == (cut, "stop") and results[10][0] == cut
     assert smollm2.kv_stats()["num_used_blocks"] == 0
 
 
