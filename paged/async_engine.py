@@ -128,6 +128,7 @@ class _Stream:
         self.accepted = accepted          # asyncio.Future: resolved when the engine took it, or its ValueError
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = None
+        self.arrival_time: float | None = None   # engine clock, when add_request was called
         self.completions: list[_Completion] = []
 
     def send(self, item) -> None:
@@ -140,8 +141,10 @@ class _Stream:
 
 class AsyncLLM:
     """An LLMEngine stepped by a background thread, fed and read from asyncio. `on_step(engine, finished)` runs
-    in that thread after each step and each round of arrivals and aborts (finished: the StreamOutputs of requests
-    that ended); the server updates its Prometheus metrics there."""
+    in that thread after each step and each round of arrivals and aborts, before the step's outputs are sent
+    (finished: the StreamOutputs of requests that ended); the server updates its Prometheus metrics there.
+    A request's arrival time is when add_request was called, on the engine's clock: the wait for a step in
+    progress to end counts in its TTFT, as it does for the user."""
 
     def __init__(self, engine: LLMEngine, on_step=None):
         self.engine = engine
@@ -165,6 +168,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id or uuid.uuid4().hex, prompt, params, lora_request, tuple(stop),
                          fill_max_tokens, loop, loop.create_future())
+        stream.arrival_time = self.engine.clock()   # it arrived now, though the loop may be in a step
         self._inbox.put(("add", stream))
         try:
             await stream.accepted
@@ -225,16 +229,18 @@ class AsyncLLM:
                     self._add(payload)
                 elif kind == "abort":
                     self._abort(payload)
-            finished = []
+            news = []
             if self.engine.has_unfinished_requests():
                 try:
                     self.engine.step()
                 except Exception as error:   # the step was undone; nobody may wait on it forever
                     self._fail_all(error)
                 else:
-                    finished = self._publish()
-            if messages or finished or self.engine.has_unfinished_requests():
-                self._notify(finished)
+                    news = self._collect()
+            if messages or news:   # the hook first: when a client has its last token, /metrics counts it
+                self._notify([output for _, output in news if output.finished])
+            for stream, output in news:
+                stream.send(output)
         self._fail_all(RuntimeError("the engine loop has stopped"))
 
     def _add(self, stream: _Stream) -> None:
@@ -249,6 +255,7 @@ class AsyncLLM:
                                  f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
                                  f"lower max_tokens to at most {max(room, 0)}")
             request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request)
+            request.metrics.arrival_time = stream.arrival_time
             self.engine.add_request(request)
         except Exception as error:   # ValueError for a bad request; anything else is still this request's alone
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
@@ -262,9 +269,9 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _publish(self) -> list[StreamOutput]:
-        """Send each request what its completions gained this step; returns the outputs that ended a request."""
-        finished = []
+    def _collect(self) -> list[tuple[_Stream, StreamOutput]]:
+        """What each request's completions gained this step, to be sent; a request that ended leaves the loop."""
+        news = []
         for request_id, stream in list(self._streams.items()):
             deltas = [d for d in (c.advance(seq) for c, seq in zip(stream.completions, stream.request.seqs))
                       if d is not None]
@@ -279,9 +286,8 @@ class AsyncLLM:
                 metrics.finished_time = metrics.finished_time or self.engine.clock()
                 output.metrics = dataclasses.replace(metrics, token_times=list(metrics.token_times))
                 del self._streams[request_id]
-                finished.append(output)
-            stream.send(output)
-        return finished
+            news.append((stream, output))
+        return news
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

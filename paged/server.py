@@ -23,6 +23,7 @@ Every bad request gets HTTP 400 with OpenAI's error object {"error": {"message",
 """
 
 import asyncio
+import collections
 import contextlib
 import json
 import re
@@ -114,6 +115,7 @@ def field_of(message: str) -> str | None:
 
 # ---- metrics ----------------------------------------------------------------------------------------------
 
+KEEP_FINISHED = 1024   # finished requests whose engine timestamps ServerMetrics.finished keeps, for a notebook
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -143,6 +145,7 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, **labels)
         self.model_name = model_name
+        self.finished = collections.OrderedDict()   # request id -> engine timestamps, the last KEEP_FINISHED
         for metric in self.registry._names_to_collectors.values():   # every series shows from the start, at 0
             metric.labels(model_name)
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0}
@@ -158,6 +161,9 @@ class ServerMetrics:
             self._seen[key] = stats[key]
         for output in finished:
             m = output.metrics
+            self.finished[output.request_id] = m
+            while len(self.finished) > KEEP_FINISHED:
+                self.finished.popitem(last=False)
             self.success.labels(name).inc()
             self.prompt_tokens.labels(name).inc(output.num_prompt_tokens)
             self.generation_tokens.labels(name).inc(len(m.token_times))
