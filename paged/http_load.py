@@ -56,13 +56,17 @@ class LoadResult:
 
 def make_requests(num_prompts: int, profile: str = "sharegpt", seed: int = 0, max_input_len: int = 1024,
                   max_output_len: int = 1024) -> list[LoadRequest]:
-    """num_prompts requests with the profile's lengths (clipped), prompts of random token ids; seeded."""
+    """num_prompts requests with the profile's lengths (those of paged.traces for a 2,048-token model) clipped to
+    max_input_len and max_output_len, prompts of random token ids; seeded."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
-    trace = make_trace(PROFILES[profile], num_prompts, seed, max_model_len=max_input_len + max_output_len,
-                       max_input_len=max_input_len)
+    for name, value in (("max_input_len", max_input_len), ("max_output_len", max_output_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    trace = make_trace(PROFILES[profile], num_prompts, seed)
     rng = np.random.default_rng(seed)
-    return [LoadRequest(rng.integers(*TOKEN_ID_RANGE, r.input_len).tolist(), r.output_len) for r in trace]
+    return [LoadRequest(rng.integers(*TOKEN_ID_RANGE, min(r.input_len, max_input_len)).tolist(),
+                        min(r.output_len, max_output_len)) for r in trace]
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, request: LoadRequest, index: int, start: float,
