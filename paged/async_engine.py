@@ -81,7 +81,7 @@ class IncrementalDetokenizer:
         return ""
 
 
-class _Completion:
+class CompletionTracker:
     """The loop's view of one completion: the tokens sent, its text, its stop strings. With stop strings, the
     last (longest stop string - 1) characters are held back until the next token shows they do not begin one."""
 
@@ -129,7 +129,7 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = None
         self.arrival_time: float | None = None   # engine clock, when add_request was called
-        self.completions: list[_Completion] = []
+        self.completions: list[CompletionTracker] = []
 
     def send(self, item) -> None:
         """From the loop's thread to the consumer's event loop (an output, or an exception to raise there)."""
@@ -161,8 +161,8 @@ class AsyncLLM:
                           lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
         """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
         cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
-        model's context leaves after the prompt (OpenAI's default for chat); otherwise a prompt plus max_tokens
-        beyond the context is refused."""
+        model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
+        plus max_tokens beyond the context is refused."""
         if self._stopped.is_set():
             raise RuntimeError("the engine loop has stopped")
         loop = asyncio.get_running_loop()
@@ -198,6 +198,10 @@ class AsyncLLM:
         stream = await self.add_request(prompt, params, request_id, lora_request, stop)
         async for output in self.stream_outputs(stream):
             yield output
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
 
     def abort(self, request_id: str) -> None:
         """Stop a request (from any thread); its blocks return to the pool before the next step."""
@@ -248,8 +252,10 @@ class AsyncLLM:
             token_ids = prompt_token_ids(stream.prompt, self.engine.tokenizer)
             params = stream.params
             room = self.engine.max_model_len - len(token_ids)
-            if stream.fill_max_tokens:
-                params = dataclasses.replace(params, max_tokens=max(1, room))
+            if stream.fill_max_tokens:   # what the context leaves, and the pool: a request must fit it whole
+                stats = self.engine.kv_stats()
+                pool_room = stats["num_blocks"] * stats["block_size"] - len(token_ids)
+                params = dataclasses.replace(params, max_tokens=max(1, min(room, pool_room)))
             elif token_ids and params.max_tokens > room:
                 raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
                                  f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
@@ -261,7 +267,7 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
             return
         stream.request = request
-        stream.completions = [_Completion(self.engine.tokenizer, stream.stop) for _ in range(params.n)]
+        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop) for _ in range(params.n)]
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 

@@ -93,9 +93,11 @@ class ChatCompletionRequest(_Common):
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"):
+    """A request the server refuses with HTTP 400; param names the field at fault."""
+
+    def __init__(self, message: str, param: str | None):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.message, self.param = message, param
 
 
 def error_response(message: str, param: str | None, status: int = 400,
@@ -202,6 +204,8 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     if lora_modules and llm.engine.lora is None:
         raise ValueError("lora_modules needs an LLM made with enable_lora=True")
     adapters = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(lora_modules.items())}
+    for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
+        llm.engine.lora.resolve(adapter)
     metrics = ServerMetrics(model_name)
     engine = llm.engine
     tokenizer = llm.tokenizer
@@ -243,11 +247,13 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
-        return error_response(error.message, error.param, error.status, error.kind)
+        return error_response(error.message, error.param)
 
     @app.get("/health")
     async def health():
-        return JSONResponse({}, status_code=200)
+        running = app.state.async_llm.is_running
+        return JSONResponse({} if running else {"error": "the engine loop has stopped"},
+                            status_code=200 if running else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import make_tiny_llm, random_prompts, tiny_llama
 from paged import LLM, LoRARequest, SamplingParams
-from paged.async_engine import IncrementalDetokenizer
+from paged.async_engine import CompletionTracker, IncrementalDetokenizer
 from paged.models import chat_prompt
 from paged.server import adapter_rank, build_app, serve_in_thread
 
@@ -238,3 +238,34 @@ def test_a_failing_step_reaches_the_waiting_client(tiny):
         tiny.engine.forward_observers.remove(fail)
         assert client.completions.create(model="m", prompt=[1, 2], max_tokens=3).choices   # still serving
     assert tiny.kv_stats()["num_used_blocks"] == 0
+
+
+class CharTokenizer:
+    """Each token id is one string; decoding joins them (enough for the stop-string logic)."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+class GrowingSeq:
+    def __init__(self):
+        self.index, self.output_token_ids, self.is_finished, self.finish_reason = 0, [], False, None
+
+
+def test_stop_strings_are_held_back_until_they_are_ruled_out():
+    tracker = CompletionTracker(CharTokenizer(["ab", "c", "de", "x", "cd"]), stop=("cde",))
+    seq = GrowingSeq()
+    sent = []
+    for token in [0, 1, 3, 1, 2, 4]:      # ab c x c de cd: "cde" appears across the 4th and 5th tokens
+        seq.output_token_ids.append(token)
+        delta = tracker.advance(seq)
+        if delta is not None:
+            sent.append(delta.text)
+        if tracker.finish_reason is not None:
+            break
+    # the last two characters always wait (they might begin "cde"); the text ends before the stop string
+    assert sent == ["", "a", "b", "c", "x"] and tracker.finish_reason == "stop"
+    assert tracker.advance(seq) is None   # nothing after the stop
