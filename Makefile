@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench bench-vllm clean
+.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench bench-vllm bench-serve clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,10 @@ bench-vllm: $(STAMP)
 	  { echo "bench-vllm: $(VLLM_WHEEL) did not install here (see above): nothing to compare against"; exit 0; }; \
 	fi; \
 	$(BIN)/python benchmarks/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python
+
+# benchmarks/serve_bench.py against `python -m paged serve`, and against `vllm serve` where .venv-vllm has vLLM
+bench-serve: $(STAMP)
+	PY=$(BIN)/python benchmarks/serve_vs_vllm.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

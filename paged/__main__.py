@@ -1,8 +1,9 @@
-"""The command line: `python -m paged demo | generate | bench | setup`.
+"""The command line: `python -m paged demo | generate | serve | bench | setup`.
 
 demo      answers a few chat prompts with SmolLM2 through the paged engine and shows where their K/V lived:
           each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
 generate  answers your own prompts (chat template applied) and prints the text.
+serve     an OpenAI-compatible HTTP server on 127.0.0.1:8000 (paged/server.py; --help for its options).
 bench     runs benchmarks/throughput.py from the repository checkout (arguments pass through).
 setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
 """
@@ -95,6 +96,11 @@ def run_generate(args) -> None:
         print(f"> {prompt}\n{out.outputs[0].text.strip()}\n")
 
 
+def run_serve(args) -> None:
+    from paged.server import main as serve
+    serve(args)
+
+
 def run_bench(args) -> None:
     import runpy
     from pathlib import Path
@@ -128,6 +134,24 @@ def main(argv=None) -> None:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/server.py)")
+    serve.set_defaults(handler=run_serve)
+    serve.add_argument("--model", default="smollm2", help="the model to load (LLM(model=...))")
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="requests to /v1 must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=FOLDER",
+                       help="LoRA adapters served as models by name")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-blocks", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--enable-chunked-prefill", action="store_true")
+    serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--log-level", default="warning")
     bench = commands.add_parser("bench", help="throughput against transformers (see benchmarks/throughput.py)")
     bench.set_defaults(handler=run_bench)
     setup = commands.add_parser("setup")

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# make bench-serve: benchmarks/serve_bench.py against `python -m paged serve`, then against `vllm serve` on the same
+# model folder and the same cores if .venv-vllm/bin/vllm exists, and both side by side in
+# benchmarks/results/serve_vs_vllm.json. Each server runs in the background and is stopped when its half ends.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PORT=${PORT:-8011}
+CORES=${CORES:-0-$(($(nproc) - 1))}
+BENCH_ARGS=${BENCH_ARGS:---num-prompts 32 --request-rate 2 --max-input-len 512 --max-output-len 128}
+RESULTS=benchmarks/results
+mkdir -p "$RESULTS"
+MODEL_DIR=$($PY -c "from paged.models import convert_gguf_to_cache; print(convert_gguf_to_cache())")
+server=""
+stop() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; server=""; }
+trap stop EXIT
+
+wait_healthy() {   # at most 10 minutes: vLLM compiles on first start
+  for _ in $(seq 1200); do
+    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then return 0; fi
+    if ! kill -0 "$server" 2>/dev/null; then echo "the server exited before it was healthy" >&2; return 1; fi
+    sleep 0.5
+  done
+  echo "the server was not healthy within 10 minutes" >&2; return 1
+}
+
+echo "== python -m paged serve (cores $CORES)"
+taskset -c "$CORES" $PY -m paged serve --port "$PORT" --served-model-name smollm2 & server=$!
+wait_healthy
+$PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --label paged \
+  --result-json "$RESULTS/serve_paged.json" $BENCH_ARGS
+stop
+
+if [ ! -x .venv-vllm/bin/vllm ]; then
+  echo "== vllm serve: skipped, .venv-vllm/bin/vllm does not exist (make bench-vllm creates it)"
+  exit 0
+fi
+echo "== vllm serve $MODEL_DIR (cores $CORES)"
+VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" .venv-vllm/bin/vllm serve "$MODEL_DIR" --port "$PORT" \
+  --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
+wait_healthy
+$PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --label vllm \
+  --result-json "$RESULTS/serve_vllm.json" $BENCH_ARGS
+stop
+$PY benchmarks/serve_bench.py --compare "$RESULTS/serve_paged.json" "$RESULTS/serve_vllm.json" \
+  --out "$RESULTS/serve_vs_vllm.json"

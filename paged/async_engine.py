@@ -1,0 +1,325 @@
+"""The engine behind a server (guide §13): requests arrive and leave while one loop keeps stepping.
+
+`AsyncLLM` wraps an `LLMEngine` for asyncio code. One background thread owns the engine: it takes new requests
+and aborts from a thread-safe inbox, runs `step()` while anything is unfinished, and after each step hands every
+request's new tokens to that request's asyncio queue. Every request in flight shares every step, whoever sent it
+(continuous batching, guide §11, now across clients).
+
+    llm = AsyncLLM(engine)
+    async for out in llm.generate(prompt, SamplingParams(max_tokens=32)):
+        print(out.completions[0].text, end="")     # the text this step added (a delta)
+
+What the loop guarantees:
+  - the engine is touched only from the loop's thread, so nothing in it needs a lock;
+  - text is decoded incrementally and a delta never ends inside a multi-byte character (a token holding half of
+    one waits for the next token);
+  - stop strings (which the engine does not know about) end a completion here: its text is cut before the string;
+  - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
+    blocks go back to the pool before the next step;
+  - if a step raises, the engine has put itself back as it was (LLMEngine.transaction); the requests in flight
+    are aborted and each waiting consumer receives the error instead of waiting forever.
+"""
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+
+from .engine import LLMEngine
+from .inputs import prompt_token_ids
+from .sampling import SamplingParams
+from .sequence import RequestMetrics
+
+IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained in one step."""
+    index: int
+    text: str                     # new text, whole characters only
+    token_ids: list[int]          # new token ids
+    finish_reason: str | None     # "stop" or "length" on its last delta, else None
+
+
+@dataclass
+class StreamOutput:
+    """One step's news for one request. The last one has finished=True and the request's engine timestamps."""
+    request_id: str
+    num_prompt_tokens: int
+    completions: list[CompletionDelta]
+    finished: bool
+    metrics: RequestMetrics | None = None   # engine clock (time.perf_counter): arrival, first token, each token
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of token ids, delta by delta. Each call decodes only a short window: the tokens
+    since the last emitted text plus a few before them, which the tokenizer needs to place spaces. A window
+    ending in the replacement character holds a partial UTF-8 sequence, so its text waits for the next token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0    # window start: tokens before it are never decoded again
+        self.read_offset = 0      # tokens before it have had their text emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """The text new_ids add; with final=True whatever is held back comes out too."""
+        self.token_ids += new_ids
+        if self.tokenizer is None:
+            return ""
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return after[len(before):]
+        return ""
+
+
+class CompletionTracker:
+    """The loop's view of one completion: the tokens sent, its text, its stop strings. With stop strings, the
+    last (longest stop string - 1) characters are held back until the next token shows they do not begin one."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.hold = max(map(len, stop), default=1) - 1
+        self.num_sent = 0
+        self.text = ""            # decoded so far
+        self.num_emitted = 0      # characters of text already sent
+        self.finish_reason: str | None = None
+
+    def advance(self, seq) -> CompletionDelta | None:
+        """The delta since the last call from seq (a paged Sequence), or None if nothing changed."""
+        if self.finish_reason is not None:
+            return None
+        new_ids = seq.output_token_ids[self.num_sent:]
+        if not new_ids and not seq.is_finished:
+            return None
+        self.num_sent += len(new_ids)
+        finish = seq.finish_reason if seq.is_finished else None
+        searched = len(self.text)
+        self.text += self.detokenizer.push(new_ids, final=finish is not None)
+        end = len(self.text) if finish is not None else len(self.text) - self.hold
+        if self.stop:   # a stop string may straddle old and new text: search from where one could start
+            start = max(0, searched - self.hold)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, end, finish = self.text[:min(hits)], min(hits), "stop"
+        delta = self.text[self.num_emitted:max(end, self.num_emitted)]
+        self.num_emitted += len(delta)
+        self.finish_reason = finish
+        return CompletionDelta(seq.index, delta, new_ids, finish)
+
+
+class _Stream:
+    """One request as the loop tracks it: its engine Request, its completions, and where its outputs go."""
+
+    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted):
+        self.request_id = request_id
+        self.prompt, self.params, self.lora_request = prompt, params, lora_request
+        self.stop, self.fill_max_tokens = stop, fill_max_tokens
+        self.loop = loop
+        self.accepted = accepted          # asyncio.Future: resolved when the engine took it, or its ValueError
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request = None
+        self.arrival_time: float | None = None   # engine clock, when add_request was called
+        self.completions: list[CompletionTracker] = []
+
+    def send(self, item) -> None:
+        """From the loop's thread to the consumer's event loop (an output, or an exception to raise there)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # the consumer's event loop has closed: nobody is listening
+            pass
+
+
+class AsyncLLM:
+    """An LLMEngine stepped by a background thread, fed and read from asyncio. `on_step(engine, finished)` runs
+    in that thread after each step and each round of arrivals and aborts, before the step's outputs are sent
+    (finished: the StreamOutputs of requests that ended); the server updates its Prometheus metrics there.
+    A request's arrival time is when add_request was called, on the engine's clock: the wait for a step in
+    progress to end counts in its TTFT, as it does for the user."""
+
+    def __init__(self, engine: LLMEngine, on_step=None):
+        self.engine = engine
+        self.on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}    # the loop thread's only
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- the asyncio side -------------------------------------------------------------------------------
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
+        """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
+        cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
+        model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
+        plus max_tokens beyond the context is refused."""
+        if self._stopped.is_set():
+            raise RuntimeError("the engine loop has stopped")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id or uuid.uuid4().hex, prompt, params, lora_request, tuple(stop),
+                         fill_max_tokens, loop, loop.create_future())
+        stream.arrival_time = self.engine.clock()   # it arrived now, though the loop may be in a step
+        self._inbox.put(("add", stream))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:   # the caller left before the engine answered: undo the add, if it happened
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    async def stream_outputs(self, stream: _Stream):
+        """The request's StreamOutputs as the steps produce them, until the finished one. If the consumer stops
+        early (cancelled, or the iterator closed), the request is aborted."""
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(stream.request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       lora_request=None, stop: tuple[str, ...] = ()):
+        """add_request, then its outputs: an async iterator of StreamOutput."""
+        stream = await self.add_request(prompt, params, request_id, lora_request, stop)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (from any thread); its blocks return to the pool before the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop: requests still in flight are aborted and their consumers get an error."""
+        self._stopped.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    # ---- the loop's thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            messages = []
+            if not self.engine.has_unfinished_requests():   # idle: wait for something to arrive
+                try:
+                    messages.append(self._inbox.get(timeout=IDLE_POLL_S))
+                except queue.Empty:
+                    continue
+            while True:
+                try:
+                    messages.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, payload in messages:
+                if kind == "add":
+                    self._add(payload)
+                elif kind == "abort":
+                    self._abort(payload)
+            news = []
+            if self.engine.has_unfinished_requests():
+                try:
+                    self.engine.step()
+                except Exception as error:   # the step was undone; nobody may wait on it forever
+                    self._fail_all(error)
+                else:
+                    news = self._collect()
+            if messages or news:   # the hook first: when a client has its last token, /metrics counts it
+                self._notify([output for _, output in news if output.finished])
+            for stream, output in news:
+                stream.send(output)
+        self._fail_all(RuntimeError("the engine loop has stopped"))
+
+    def _add(self, stream: _Stream) -> None:
+        try:
+            token_ids = prompt_token_ids(stream.prompt, self.engine.tokenizer)
+            params = stream.params
+            room = self.engine.max_model_len - len(token_ids)
+            if stream.fill_max_tokens:   # what the context leaves, and the pool: a request must fit it whole
+                stats = self.engine.kv_stats()
+                pool_room = stats["num_blocks"] * stats["block_size"] - len(token_ids)
+                params = dataclasses.replace(params, max_tokens=max(1, min(room, pool_room)))
+            elif token_ids and params.max_tokens > room:
+                raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
+                                 f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
+                                 f"lower max_tokens to at most {max(room, 0)}")
+            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request)
+            request.metrics.arrival_time = stream.arrival_time
+            self.engine.add_request(request)
+        except Exception as error:   # ValueError for a bad request; anything else is still this request's alone
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
+            return
+        stream.request = request
+        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop) for _ in range(params.n)]
+        self._streams[stream.request_id] = stream
+        stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def _collect(self) -> list[tuple[_Stream, StreamOutput]]:
+        """What each request's completions gained this step, to be sent; a request that ended leaves the loop."""
+        news = []
+        for request_id, stream in list(self._streams.items()):
+            deltas = [d for d in (c.advance(seq) for c, seq in zip(stream.completions, stream.request.seqs))
+                      if d is not None]
+            if not deltas:
+                continue
+            done = all(c.finish_reason is not None for c in stream.completions)
+            output = StreamOutput(request_id, len(stream.request.prompt_token_ids), deltas, done)
+            if done:
+                if not stream.request.is_finished:   # ended by a stop string: the engine still holds it
+                    self.engine.abort_request(request_id)
+                metrics = stream.request.metrics
+                metrics.finished_time = metrics.finished_time or self.engine.clock()
+                output.metrics = dataclasses.replace(metrics, token_times=list(metrics.token_times))
+                del self._streams[request_id]
+            news.append((stream, output))
+        return news
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.send(error)
+        self._streams.clear()
+        while True:   # requests that never reached the engine
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                payload.loop.call_soon_threadsafe(_settle, payload.accepted, error)
+
+    def _notify(self, finished: list[StreamOutput]) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(self.engine, finished)
+            except Exception:   # a metrics hook must never stop the serving loop
+                pass
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,52 @@
+"""Chapter 13's plots (guide §13): one streamed answer as the engine and the client timed it, and the block pool
+and the queues of a server under load, as its /metrics reported them while the load ran."""
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from paged.http_load import LoadResult
+from paged.sequence import RequestMetrics
+from paged.viz.common import PALETTE
+
+
+def stream_timing_series(sent: float, metrics: RequestMetrics, arrivals: list[float]) -> dict[str, np.ndarray]:
+    """Milliseconds after the client sent its request: when the engine sampled each token, and when the client
+    received each chunk (one per token); the server's arrival stamp as a one-element series."""
+    return {"arrival": np.array([metrics.arrival_time - sent]) * 1e3,
+            "engine": (np.asarray(metrics.token_times) - sent) * 1e3,       # [num_tokens]
+            "client": (np.asarray(arrivals) - sent) * 1e3}                  # [num_chunks]
+
+
+def plot_stream_timing(sent: float, metrics: RequestMetrics, arrivals: list[float]):
+    """Token index against time since the send, for the engine's stamps and the client's receipts."""
+    series = stream_timing_series(sent, metrics, arrivals)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(series["engine"], np.arange(series["engine"].size), ".-", color=PALETTE[0], label="engine samples it")
+    ax.plot(series["client"], np.arange(series["client"].size), ".-", color=PALETTE[1], alpha=0.8,
+            label="client receives it")
+    ax.axvline(series["arrival"][0], color="grey", ls=":", label="server stamps the arrival")
+    ax.set(xlabel="ms after the client sent the request", ylabel="output token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_load(results: dict[str, LoadResult], num_blocks: int):
+    """For each load: KV-cache usage (blocks in use / pool) and the running and waiting requests over time, as
+    polled from /metrics, with each request's arrival marked below."""
+    fig, axes = plt.subplots(2, len(results), figsize=(5.2 * len(results), 4.6), sharex="col", squeeze=False)
+    for column, (label, result) in enumerate(results.items()):
+        t = np.array([s["t"] for s in result.samples])                            # [num_samples] s
+        usage, top = axes[0][column], axes[1][column]
+        usage.fill_between(t, [s["kv_usage"] * num_blocks for s in result.samples], step="post",
+                           color=PALETTE[0], alpha=0.6)
+        usage.axhline(num_blocks, color="grey", ls="--", lw=1)
+        usage.set(title=label, ylabel=f"blocks in use (of {num_blocks})", ylim=(0, num_blocks * 1.08))
+        top.step(t, [s["running"] for s in result.samples], where="post", color=PALETTE[2], label="running")
+        top.step(t, [s["waiting"] for s in result.samples], where="post", color=PALETTE[3], label="waiting")
+        top.plot([r.arrival_time for r in result.records], np.zeros(len(result.records)) - 0.5, "|", color="k",
+                 ms=8, label="arrivals")
+        top.set(xlabel="seconds since the load began", ylabel="requests")
+        top.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
