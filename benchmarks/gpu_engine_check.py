@@ -14,7 +14,7 @@ then
 
     python benchmarks/gpu_engine_check.py                      # every architecture below (needs CUDA)
     python benchmarks/gpu_engine_check.py --archs smollm2-135m --batch-sizes 1,32
-    python benchmarks/gpu_engine_check.py --dry                # tiny shapes on the CPU in Triton's interpreter
+    python benchmarks/gpu_engine_check.py --dry                # tiny shapes, fp32 (no GPU: in the interpreter)
 
 A new architecture is one more entry in ARCHITECTURES: the LlamaConfig settings of its shape.
 """
@@ -49,7 +49,8 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=ints, default=[1, 8, 32, 64])
-    p.add_argument("--dry", action="store_true", help="tiny shapes, float32, on the CPU in Triton's interpreter")
+    p.add_argument("--dry", action="store_true",
+                   help="tiny shapes in float32, on the GPU if there is one, else in Triton's interpreter on the CPU")
     args = p.parse_args(argv)
     unknown = [a for a in args.archs if a not in ARCHITECTURES]
     if unknown:
@@ -156,7 +157,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not args.dry and not torch.cuda.is_available():
         sys.exit("gpu_engine_check.py needs CUDA; none is available here. Run it with --dry for a tiny CPU check.")
-    device = torch.device("cpu" if args.dry else "cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.dry else torch.bfloat16     # the interpreter has no bf16 dot
     from paged import LLM
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (Triton interpreter)'}, "
