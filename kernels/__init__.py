@@ -5,10 +5,11 @@
                              kernels/decode_v2.py     GQA-grouped, split-KV (flash-decoding) + log-sum-exp merge
     paged_prefill_attention  kernels/prefill.py       a chunk attends causally to its cached prefix and itself
 
-The functions here check their inputs (shapes, dtypes, and, with one device-to-host copy, that every context
-fits its block table and every block id it uses is in the pool; kernels/checks.py) and raise ValueError naming
-the argument and the limit. The launchers inside the modules skip the checks: a caller that runs many layers
-over the same block tables can check once and call them directly.
+The three functions above check their inputs (shapes, dtypes, and, with one device-to-host copy, that every
+context fits its block table and every block id it uses is in the pool; kernels/checks.py) and raise ValueError
+naming the argument and the limit. `launch_decode` and `launch_prefill` skip the checks and take the longest
+context or chunk as a Python int: the engine, which runs every layer over the same block tables and knows those
+lengths from its own lists, calls them and never waits for the GPU between layers (paged/model.py).
 
 kernels/lora.py holds LoRA's shrink and expand over segments of tokens (guide §16), checked against paged.lora.
 
@@ -35,7 +36,8 @@ from kernels.decode_v1 import paged_decode_v1  # noqa: E402
 from kernels.decode_v2 import MAX_SPLITS, paged_decode_v2  # noqa: E402
 from kernels.prefill import paged_prefill  # noqa: E402
 
-__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "launch_decode",
+           "launch_prefill", "write_cache"]
 
 _TOKENS_PER_SPLIT = 256      # shorter splits leave too little work to pay for the merge (a guess until measured)
 
@@ -82,11 +84,18 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     _refuse_interpreter_bfloat16(key_cache)
     if ctx_max is None:
         return torch.empty_like(query)
+    return launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, ctx_max, version,
+                         num_splits)
 
+
+def launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len: int,
+                  version=None, num_splits=None):
+    """paged_decode_attention without the checks, for valid inputs: max_context_len is the longest of
+    context_lens, given by the caller so that nothing is read back from the device."""
     if version == 1:
         return paged_decode_v1(query, key_cache, value_cache, block_tables, context_lens, scale)
     if num_splits is None:
-        num_splits = choose_num_splits(query.shape[0], key_cache.shape[2], ctx_max, query.device)
+        num_splits = choose_num_splits(query.shape[0], key_cache.shape[2], max_context_len, query.device)
     return paged_decode_v2(query, key_cache, value_cache, block_tables, context_lens, scale, num_splits)
 
 
@@ -98,4 +107,12 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
     _refuse_interpreter_bfloat16(key_cache)
     if qlen_max is None:
         return torch.empty_like(query)
-    return paged_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, qlen_max)
+    return launch_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, qlen_max)
+
+
+def launch_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                   max_query_len: int):
+    """paged_prefill_attention without the checks, for valid inputs: max_query_len is the longest chunk, given by
+    the caller so that nothing is read back from the device."""
+    return paged_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                         max_query_len)

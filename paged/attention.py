@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter one step's keys and values into the pools. key, value: [num_tokens, num_kv_heads, head_dim]."""
+             slot_mapping: torch.Tensor, may_skip: bool = True) -> None:
+    """Scatter one step's keys and values into the pools. key, value: [num_tokens, num_kv_heads, head_dim].
+    may_skip=False promises that no slot is -1, which saves reading the slots back from the device."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if may_skip and not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     slots = slot_mapping.long()
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
@@ -61,8 +62,10 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: tor
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One new token per sequence attends to all of its cached tokens.
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     max_context_len: int | None = None) -> torch.Tensor:
+    """One new token per sequence attends to all of its cached tokens (max_context_len, the longest of
+    context_lens, is read from the device unless the caller gives it).
 
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]. GQA: query head h reads KV head
     h // (num_heads // num_kv_heads), as in Llama; the `group` query heads that share a KV head are handed to
@@ -71,7 +74,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(context_lens.max())
+    max_len = int(context_lens.max()) if max_context_len is None else max_context_len
     ids = block_ids(block_tables, context_lens, max_len, key_cache.shape[1])             # the same for K and V
     keys = gather_blocks(key_cache, ids, max_len).transpose(1, 2)                         # [S, Hkv, L, D]
     values = gather_blocks(value_cache, ids, max_len).transpose(1, 2)                     # [S, Hkv, L, D]
@@ -84,7 +87,8 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, max_query_len: int | None = None,
+                      max_context_len: int | None = None) -> torch.Tensor:
     """A chunk of new tokens per sequence attends causally to the sequence's cached tokens and to itself.
 
     query [num_tokens, num_heads, head_dim]: the sequences' new tokens, concatenated in order.
@@ -92,6 +96,7 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     context_lens int32 [num_seqs]: cached tokens after this chunk was written, so the chunk's i-th token sits at
     position context_lens[b] - query_len[b] + i and sees keys 0..that position.
     Covers a whole prompt, a chunk of one (chunked prefill), and the tail after a prefix-cache hit.
+    max_query_len and max_context_len, the longest chunk and context, are read from the device unless given.
     Returns [num_tokens, num_heads, head_dim].
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -101,7 +106,8 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     device = query.device
     starts = query_start_loc[:-1].long()                                          # [S]
     query_lens = query_start_loc[1:].long() - starts                              # [S]
-    max_q, max_len = int(query_lens.max()), int(context_lens.max())
+    max_q = int(query_lens.max()) if max_query_len is None else max_query_len
+    max_len = int(context_lens.max()) if max_context_len is None else max_context_len
 
     # Pad the ragged queries to [S, max_q]; padded rows are computed and thrown away.
     i = torch.arange(max_q, device=device)

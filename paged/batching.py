@@ -43,7 +43,10 @@ def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int
         decode_context_lens=torch.tensor(context_lens[:num_decodes], **int32),
         prefill_block_tables=table_tensor(tables[num_decodes:]),
         prefill_query_start_loc=F.pad(prefill_query_lens.cumsum(0), (1, 0)).to(torch.int32),
-        prefill_context_lens=torch.tensor(context_lens[num_decodes:], **int32))
+        prefill_context_lens=torch.tensor(context_lens[num_decodes:], **int32),
+        decode_max_context_len=max(context_lens[:num_decodes], default=0),
+        prefill_max_query_len=max(query_lens[num_decodes:], default=0),
+        prefill_max_context_len=max(context_lens[num_decodes:], default=0))
     return (torch.tensor(input_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
             meta, torch.tensor(logits_indices, dtype=torch.int64, device=device))

@@ -168,34 +168,34 @@ class BlockManager:
             return range(0)
         return range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size)))
 
-    def can_allocate(self, num_tokens: int, seq_id: int | None = None, cached_blocks: list[Block] = (),
+    def can_allocate(self, num_tokens: int, seq_id: int | None = None, prefix_hits: list[Block] = (),
                      write_from: int | None = None) -> AllocStatus:
         """Admission: can a sequence (new, or seq_id growing) hold num_tokens tokens now, later, or never?
-        cached_blocks: a new sequence's prefix-cache hits, which it takes instead of fresh blocks."""
+        prefix_hits: a new sequence's prefix-cache hits, which it takes instead of fresh blocks."""
         if cdiv(num_tokens, self.block_size) > self.num_blocks:
             return AllocStatus.NEVER
-        idle_hits = sum(1 for block in cached_blocks if block.ref_count == 0)  # they leave the free queue
-        needed = self.blocks_needed(seq_id, num_tokens, write_from) - len(cached_blocks)
+        idle_hits = sum(1 for block in prefix_hits if block.ref_count == 0)  # they leave the free queue
+        needed = self.blocks_needed(seq_id, num_tokens, write_from) - len(prefix_hits)
         if needed > self.num_free_blocks - idle_hits:
             return AllocStatus.LATER
         return AllocStatus.OK
 
-    def allocate(self, seq_id: int, num_tokens: int, cached_blocks: list[Block] = (),
+    def allocate(self, seq_id: int, num_tokens: int, prefix_hits: list[Block] = (),
                  write_from: int | None = None) -> list[int]:
         """Grow seq_id's table (creating it if new, starting with its cache hits) to cover num_tokens tokens,
         and give it private copies of shared blocks it will write into from write_from on; all or nothing.
         The copies to make are queued in pending_copies for the engine."""
-        if self.can_allocate(num_tokens, seq_id, cached_blocks, write_from) is not AllocStatus.OK:
+        if self.can_allocate(num_tokens, seq_id, prefix_hits, write_from) is not AllocStatus.OK:
             raise NoFreeBlocksError(f"sequence {seq_id} cannot grow to {num_tokens} tokens: "
                                     f"{self.num_free_blocks} blocks are free")
         table = self.block_tables.setdefault(seq_id, [])
-        for block in cached_blocks:
+        for block in prefix_hits:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
             table.append(block.block_id)
-        if cached_blocks:
-            self.block_hashes[seq_id] = [block.block_hash for block in cached_blocks]
+        if prefix_hits:
+            self.block_hashes[seq_id] = [block.block_hash for block in prefix_hits]
         for index in self._written_blocks(table, num_tokens, write_from):
             shared = self.blocks[table[index]]
             if shared.ref_count > 1:  # copy-on-write: the others keep the original

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from paged.geometry import blocks_for_tokens
-from paged.traces import Request
+from paged.traces import TraceRequest
 
 NAIVE_POLICIES = ("max", "pow2", "oracle")
 PAPER_ORCA_USAGE = {"max": 0.204, "pow2": 0.268, "oracle": 0.382}    # token states / KV memory, paper Fig. 2
@@ -98,10 +98,10 @@ class FirstFitArena:
 
 
 @dataclass(eq=False)
-class Sequence:
+class SimulatedRequest:
     """A request while the simulation holds it. Its memory is a list of slot addresses in token order."""
 
-    request: Request
+    request: TraceRequest
     generated: int = 0                     # output tokens so far
     slab_start: int = -1                   # naive: first slot of its slab
     slab_size: int = 0                     # naive: slots in its slab
@@ -126,10 +126,10 @@ class NaiveSlabs:
         self.arena = FirstFitArena(capacity)
         self.name = f"naive-{policy}"
 
-    def admission_slots(self, seq: Sequence) -> int:
+    def admission_slots(self, seq: SimulatedRequest) -> int:
         return reservation_tokens(self.policy, seq.request.final_len, self.max_model_len)
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: SimulatedRequest) -> bool:
         size = self.admission_slots(seq)
         start = self.arena.allocate(size)
         if start is None:
@@ -137,17 +137,17 @@ class NaiveSlabs:
         seq.slab_start, seq.slab_size = start, size
         return True
 
-    def ensure_slot(self, seq: Sequence) -> bool:
+    def ensure_slot(self, seq: SimulatedRequest) -> bool:
         return True                       # the slab already covers the final length
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SimulatedRequest) -> None:
         self.arena.free(seq.slab_start, seq.slab_size)
         seq.slab_start, seq.slab_size = -1, 0
 
-    def allocated(self, seq: Sequence) -> int:
+    def allocated(self, seq: SimulatedRequest) -> int:
         return seq.slab_size
 
-    def addresses(self, seq: Sequence) -> np.ndarray:
+    def addresses(self, seq: SimulatedRequest) -> np.ndarray:
         return np.arange(seq.slab_start, seq.slab_start + seq.slab_size)     # [slab_size]
 
     def can_place(self, slots: int) -> bool:
@@ -167,17 +167,17 @@ class PagedBlocks:
         self.free_blocks = deque(range(self.num_blocks))    # FIFO: a freed block goes to the back
         self.name = f"paged-{block_size}"
 
-    def admission_slots(self, seq: Sequence) -> int:
+    def admission_slots(self, seq: SimulatedRequest) -> int:
         return blocks_for_tokens(seq.length + 1, self.block_size) * self.block_size
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: SimulatedRequest) -> bool:
         needed = self.admission_slots(seq) // self.block_size
         if needed > len(self.free_blocks):
             return False
         seq.blocks = [self.free_blocks.popleft() for _ in range(needed)]
         return True
 
-    def ensure_slot(self, seq: Sequence) -> bool:
+    def ensure_slot(self, seq: SimulatedRequest) -> bool:
         """Make room for the token this step writes; False when the pool has no free block."""
         if seq.length < len(seq.blocks) * self.block_size:
             return True
@@ -186,14 +186,14 @@ class PagedBlocks:
         seq.blocks.append(self.free_blocks.popleft())
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: SimulatedRequest) -> None:
         self.free_blocks.extend(seq.blocks)
         seq.blocks = []
 
-    def allocated(self, seq: Sequence) -> int:
+    def allocated(self, seq: SimulatedRequest) -> int:
         return len(seq.blocks) * self.block_size
 
-    def addresses(self, seq: Sequence) -> np.ndarray:
+    def addresses(self, seq: SimulatedRequest) -> np.ndarray:
         offsets = np.arange(self.block_size)                                         # [block_size]
         return (np.array(seq.blocks)[:, None] * self.block_size + offsets).ravel()   # [num_blocks * block_size]
 
@@ -234,7 +234,7 @@ class Breakdown:
         return 1 - self.utilisation
 
 
-def breakdown(allocator, running: list[Sequence], stranded: bool = False) -> Breakdown:
+def breakdown(allocator, running: list[SimulatedRequest], stranded: bool = False) -> Breakdown:
     """Count slots by state. A sequence's slots beyond its length up to its final length are reserved, the
     rest internal. stranded: the next waiting request fits in the free total but in no hole."""
     live = reserved = internal = 0
@@ -249,7 +249,7 @@ def breakdown(allocator, running: list[Sequence], stranded: bool = False) -> Bre
                      external=free if stranded else 0)
 
 
-def slot_states(allocator, running: list[Sequence], capacity: int, stranded: bool) -> np.ndarray:
+def slot_states(allocator, running: list[SimulatedRequest], capacity: int, stranded: bool) -> np.ndarray:
     """The state of every slot of the pool, as a memory map: int8 [capacity], codes FREE..EXTERNAL."""
     states = np.full(capacity, EXTERNAL if stranded else FREE, dtype=np.int8)
     for seq in running:
@@ -310,7 +310,7 @@ def make_allocator(scheme, capacity: int, max_model_len: int):
     return PagedBlocks(capacity, scheme)
 
 
-def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2048, step_time: float = 0.05,
+def simulate(trace: list[TraceRequest], scheme, capacity: int, max_model_len: int = 2048, step_time: float = 0.05,
              max_num_seqs: int | None = None, layout_every: int = 0) -> SimulationResult:
     """Serve `trace` first come, first served, in a pool of `capacity` token slots, one decode step at a time.
 
@@ -334,18 +334,18 @@ def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2
         if request.final_len > max_model_len:
             raise ValueError(f"request {request.request_id} ends at {request.final_len} tokens, "
                              f"more than max_model_len ({max_model_len})")
-        largest = Sequence(request, generated=request.output_len - 1)    # as it writes its last token
+        largest = SimulatedRequest(request, generated=request.output_len - 1)    # as it writes its last token
         if allocator.admission_slots(largest) > capacity:
             raise ValueError(f"request {request.request_id} needs more than the pool's capacity ({capacity} slots)")
     pending = deque(sorted(trace, key=lambda r: r.arrival_time))
-    waiting: deque[Sequence] = deque()
-    running: list[Sequence] = []                       # in admission order: the last is preempted first
+    waiting: deque[SimulatedRequest] = deque()
+    running: list[SimulatedRequest] = []               # in admission order: the last is preempted first
     rows, layouts, preemptions, recomputed, finished, step = [], {}, 0, 0, 0, 0
     while pending or waiting or running:
         if not waiting and not running:                # idle: jump to the next arrival
             step = max(step, int(np.ceil(pending[0].arrival_time / step_time)))
         while pending and pending[0].arrival_time <= step * step_time:
-            waiting.append(Sequence(pending.popleft()))
+            waiting.append(SimulatedRequest(pending.popleft()))
         while waiting and (max_num_seqs is None or len(running) < max_num_seqs) and allocator.admit(waiting[0]):
             running.append(waiting.popleft())
         i = 0
@@ -379,7 +379,7 @@ def simulate(trace: list[Request], scheme, capacity: int, max_model_len: int = 2
                             preemptions=preemptions, recomputed_tokens=recomputed, finished=finished, final_free_slots=allocator.free_slots)
 
 
-def compare(trace: list[Request], capacity: int, block_sizes=(8, 16, 32, 64, 128), max_model_len: int = 2048,
+def compare(trace: list[TraceRequest], capacity: int, block_sizes=(8, 16, 32, 64, 128), max_model_len: int = 2048,
             **kwargs) -> list[SimulationResult]:
     """The three naive policies, then paged allocation at each block size, on the same trace and pool."""
     return [simulate(trace, scheme, capacity, max_model_len, **kwargs)
@@ -416,7 +416,7 @@ def four_request_example(block_size: int = 16, max_model_len: int = 2048) -> dic
                             ("paged", PagedBlocks(capacity, block_size))):
         seqs = []
         for i, (n_in, n_out, n_gen) in enumerate(FOUR_REQUESTS):
-            seq = Sequence(Request(i, n_in, n_out, 0.0), generated=n_gen - 1)
+            seq = SimulatedRequest(TraceRequest(i, n_in, n_out, 0.0), generated=n_gen - 1)
             allocator.admit(seq)                 # holds room for the token it writes next ...
             seq.generated += 1                   # ... which is its n_gen-th
             seqs.append(seq)

@@ -24,7 +24,7 @@ from paged.fragmentation import four_request_example
 from paged.geometry import (H100_SXM_BANDWIDTH, H100_SXM_BF16_FLOPS, GiB, KiB, LLAMA3_70B_PARAMS, MiB, KVGeometry,
                             block_table_bytes, decode_step_flops_per_byte, read_time_s, worked_example)
 from paged.metrics import RequestRecord
-from paged.speculative import expected_tokens
+from paged.speculative_cost import expected_tokens
 from paged.traces import sharegpt_trace
 
 GB = 1e9

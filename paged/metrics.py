@@ -28,7 +28,8 @@ import numpy as np
 from .engine import LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
-from .traces import Request as TraceRequest
+from .step_cost import SMOLLM2_CPU, StepCost
+from .traces import TraceRequest
 
 # ---- one request ------------------------------------------------------------------------------------------
 
@@ -147,40 +148,6 @@ class StepRecord:
     @property
     def num_seqs(self) -> int:
         return len(self.prefills) + len(self.decodes)
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Modelled seconds of one engine step:
-
-        fixed + per_token * batched tokens + per_seq * scheduled sequences + per_pair * attended (query, key) pairs
-
-    per_token is the weight matmuls every token goes through; per_seq is each sequence's own work (its attention
-    call, its block table, its logits); per_pair is attention proper: a chunk of n tokens ending at position e
-    attends n*e - n*(n-1)/2 pairs, so a decode costs its context and a long prefill grows quadratically.
-    """
-    fixed: float
-    per_token: float
-    per_seq: float
-    per_pair: float
-
-    def __call__(self, num_batched_tokens: int, num_seqs: int, num_pairs: int) -> float:
-        return self.fixed + self.per_token * num_batched_tokens + self.per_seq * num_seqs + self.per_pair * num_pairs
-
-    @classmethod
-    def fit(cls, steps: list[StepRecord]) -> "StepCost":
-        """Least squares over steps timed with the real clock, on relative errors (each row divided by its
-        duration), so that a 40 ms decode step counts as much as a 2 s prefill."""
-        features = np.array([[1, s.num_batched_tokens, s.num_seqs, s.num_pairs] for s in steps], dtype=float)
-        durations = np.array([s.duration for s in steps])                          # [num_steps]
-        coef, *_ = np.linalg.lstsq(features / durations[:, None], np.ones_like(durations), rcond=None)
-        return cls(*(float(c) for c in coef))
-
-
-# SmolLM2-135M in fp32 through this engine's torch path on a 2-core CPU, fitted once by benchmarks/step_cost.py
-# (47 step shapes, median error 8 %). Measured there: one decode 0.045 s, 64 decodes at context 33 0.17 s,
-# a 512-token prefill 0.61 s, a 1,024-token prefill 1.50 s.
-SMOLLM2_CPU = StepCost(fixed=0.053, per_token=8.9e-4, per_seq=1.2e-3, per_pair=1.13e-6)
 
 
 # ---- the online driver ------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ head_dim, tied or untied embeddings, the static RoPE scalings (linear, dynamic w
 yarn, llama3), whose table comes from the model's own rotary module.
 """
 
-from dataclasses import dataclass
+import functools
+import os
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -51,9 +53,15 @@ def check_llama(hf_model, argument: str = "model") -> None:
                          f"length; the engine computes one RoPE table for every position and cannot run it")
 
 
+# PAGED_CHECK_KERNELS=1 in the environment (or this flag set True) runs the kernels' input checks
+# (kernels/checks.py) on each step's metadata, once per step; they read the tables back from the device.
+CHECK_KERNELS = os.environ.get("PAGED_CHECK_KERNELS", "0") not in ("", "0")
+
+
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens go in the pool and what each sequence attends to."""
+    """Where this step's tokens go in the pool and what each sequence attends to. The longest lengths come as
+    Python ints, from the lists they were built from, so that no layer reads a tensor back from the device."""
     slot_mapping: torch.Tensor               # int64 [num_tokens]
     num_decode_tokens: int                   # the first num_decode_tokens tokens are one-token decodes
     decode_block_tables: torch.Tensor        # int32 [num_decodes, max_blocks]
@@ -61,6 +69,32 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor       # int32 [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor    # int32 [num_prefills + 1]
     prefill_context_lens: torch.Tensor       # int32 [num_prefills]
+    decode_max_context_len: int              # max(decode_context_lens), 0 without decodes
+    prefill_max_query_len: int               # the longest prefill chunk, 0 without prefills
+    prefill_max_context_len: int             # max(prefill_context_lens), 0 without prefills
+    checked: bool = field(default=False, repr=False)  # set once the debug checks have passed
+
+    def check(self, q, k, v, key_cache, value_cache) -> None:
+        """The kernels' input checks over this step, and that the ints above match the tensors: a ValueError
+        naming the argument otherwise. Reads the tables back from the device (hence only under CHECK_KERNELS)."""
+        from kernels.checks import check_cache_write, check_decode, check_prefill
+        check_cache_write(k, v, key_cache, value_cache, self.slot_mapping)
+        if (self.slot_mapping < 0).any():
+            raise ValueError("slot_mapping holds -1, but the engine's steps write every token they compute")
+        num_decode = self.num_decode_tokens
+        found = {}
+        if num_decode:
+            found["decode_max_context_len"] = check_decode(q[:num_decode], key_cache, value_cache,
+                                                           self.decode_block_tables, self.decode_context_lens)
+        if num_decode < q.shape[0]:
+            found["prefill_max_query_len"] = check_prefill(q[num_decode:], key_cache, value_cache,
+                                                           self.prefill_block_tables, self.prefill_query_start_loc,
+                                                           self.prefill_context_lens)
+            found["prefill_max_context_len"] = int(self.prefill_context_lens.max())
+        for name, value in found.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"AttentionMetadata.{name} is {getattr(self, name)}, but the tensors say {value}")
+        self.checked = True
 
 
 def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
@@ -68,25 +102,43 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
     provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
     reads K/V in place in the pool. Two small per-layer ops come along (rope, silu_and_mul): in torch, or, for
     fp32 on the CPU, fused by the C++ library, with the same bits. Where the C++ library cannot be built, "cpu"
-    falls back to the torch reference after one warning."""
+    falls back to the torch reference after one warning.
+
+    Every backend takes the same arguments: write_kv(k, v, key_cache, value_cache, slot_mapping);
+    decode(q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len);
+    prefill(q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
+    max_context_len). None checks its inputs (the engine's tables are valid; see CHECK_KERNELS), and none reads a
+    tensor back from the device: the longest lengths come from AttentionMetadata."""
     if name == "cpu":
         from kernels import cpu
         ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
-        if ops is not None:  # the ops themselves, without the Python checks: the engine's tables are valid
+        if ops is not None:
+            def cpu_decode(q, kc, vc, tables, lens, scale, max_context_len):  # its loops stop at each length
+                return ops.decode(q, kc, vc, tables, lens, scale)
+
+            def cpu_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len, max_context_len):
+                return ops.prefill(q, kc, vc, tables, query_start_loc, lens, scale)
+
             fused = dtype == torch.float32                       # the fused layer ops are written for fp32
-            return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=ops.decode,
-                                   prefill=ops.prefill, rope=ops.rotary if fused else apply_rope,
+            return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=cpu_decode, prefill=cpu_prefill,
+                                   rope=ops.rotary if fused else apply_rope,
                                    silu_and_mul=ops.silu_and_mul if fused else silu_and_mul)
         name = "torch"
     if name == "torch":
-        return SimpleNamespace(name="torch", write_kv=torch_attention.write_kv,
+        return SimpleNamespace(name="torch", write_kv=functools.partial(torch_attention.write_kv, may_skip=False),
                                decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
                                rope=apply_rope, silu_and_mul=silu_and_mul)
     if name == "triton":
         import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
-        return SimpleNamespace(name="triton", write_kv=kernels.reshape_and_cache,
-                               decode=kernels.paged_decode_attention, prefill=kernels.paged_prefill_attention,
-                               rope=apply_rope, silu_and_mul=silu_and_mul)
+
+        def triton_decode(q, kc, vc, tables, lens, scale, max_context_len):
+            return kernels.launch_decode(q, kc, vc, tables, lens, scale, max_context_len)
+
+        def triton_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len, max_context_len):
+            return kernels.launch_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len)
+
+        return SimpleNamespace(name="triton", write_kv=kernels.write_cache, decode=triton_decode,
+                               prefill=triton_prefill, rope=apply_rope, silu_and_mul=silu_and_mul)
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
@@ -200,15 +252,18 @@ class PagedLlama:
 
     def _attention(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
+        if CHECK_KERNELS and not meta.checked:  # every layer shares the step's tables: the first layer checks them
+            meta.check(q, k, v, key_cache, value_cache)
         self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return self.backend.decode(q, key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_context_lens, self.scale)
+                                       meta.decode_context_lens, self.scale, meta.decode_max_context_len)
         prefill = self.backend.prefill(q[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
-                                       meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale)
+                                       meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
+                                       meta.prefill_max_query_len, meta.prefill_max_context_len)
         if num_decode == 0:
             return prefill
         decode = self.backend.decode(q[:num_decode], key_cache, value_cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, self.scale)
+                                     meta.decode_context_lens, self.scale, meta.decode_max_context_len)
         return torch.cat([decode, prefill])

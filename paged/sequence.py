@@ -119,7 +119,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
-    cache_key: object = None  # extra key mixed into prefix-cache hashes (an adapter's name, say)
+    cache_key: object = None  # extra key mixed into prefix-cache hashes: the LoRA adapter's id (lora_int_id), or None
     lora_request: object = None  # the paged.lora.LoRARequest it runs under, or None for the base model (guide §16)
 
     @property

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager, cdiv
-from .traces import Request
+from .traces import TraceRequest
 
 WIDTHS = (2, 4, 6)  # the paper's n and beam widths
 
@@ -105,7 +105,7 @@ def parallel_sampling_usage(input_len: int, output_len: int, n: int, block_size:
     return total
 
 
-def parallel_sampling_saving(trace: list[Request], n: int, block_size: int = 16) -> BlockSteps:
+def parallel_sampling_saving(trace: list[TraceRequest], n: int, block_size: int = 16) -> BlockSteps:
     """Block-steps of every request of a trace served with n completions each."""
     total = BlockSteps()
     for request in trace:
@@ -113,7 +113,7 @@ def parallel_sampling_saving(trace: list[Request], n: int, block_size: int = 16)
     return total
 
 
-def trace_prompts(trace: list[Request], vocab_size: int, seed: int = 0) -> list[list[int]]:
+def trace_prompts(trace: list[TraceRequest], vocab_size: int, seed: int = 0) -> list[list[int]]:
     """Random token ids with the trace's input lengths (the traces carry lengths, not text)."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (r.input_len,), generator=generator).tolist() for r in trace]
@@ -135,13 +135,14 @@ def _row(method: str, model: str, trace: str, n: int, usage: BlockSteps) -> dict
             "paper": PAPER_SAVINGS.get((method, trace))}
 
 
-def parallel_sampling_rows(traces: dict[str, list[Request]], widths=WIDTHS, block_size: int = 16) -> list[dict]:
+def parallel_sampling_rows(traces: dict[str, list[TraceRequest]], widths=WIDTHS, block_size: int = 16) -> list[dict]:
     """One row of the savings table per (trace, n): every request of the trace, n completions each."""
     return [_row("parallel sampling", "none (BlockManager)", name, n, parallel_sampling_saving(trace, n, block_size))
             for name, trace in traces.items() for n in widths]
 
 
-def beam_search_rows(llm, model: str, traces: dict[str, list[Request]], widths=WIDTHS, seed: int = 0) -> list[dict]:
+def beam_search_rows(llm, model: str, traces: dict[str, list[TraceRequest]], widths=WIDTHS,
+                     seed: int = 0) -> list[dict]:
     """One row of the savings table per (trace, beam width): llm's beam search over random-token prompts with the
     trace's input lengths, each for its request's output length. model names llm's model in the table."""
     vocab_size = llm.engine.model.embed_tokens.shape[0]

@@ -19,7 +19,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Request:
+class TraceRequest:
     request_id: int
     input_len: int          # prompt tokens
     output_len: int         # tokens the request will generate before it stops
@@ -78,7 +78,7 @@ def _sample_lengths(rng: np.random.Generator, num: int, mean: float, sigma: floa
 
 
 def make_trace(profile: LengthProfile, num_requests: int, seed: int = 0, max_model_len: int = 2048,
-               max_input_len: int | None = None, request_rate: float | None = None) -> list[Request]:
+               max_input_len: int | None = None, request_rate: float | None = None) -> list[TraceRequest]:
     """num_requests requests with `profile`'s length statistics, deterministic for a seed.
 
     max_input_len defaults to max_model_len // 2; outputs are clipped to max_model_len - max_input_len.
@@ -101,21 +101,21 @@ def make_trace(profile: LengthProfile, num_requests: int, seed: int = 0, max_mod
         arrivals = np.zeros(num_requests)
     else:
         arrivals = np.cumsum(rng.exponential(1 / request_rate, size=num_requests))    # [num_requests] seconds
-    return [Request(i, int(n_in), int(n_out), float(t)) for i, (n_in, n_out, t) in
+    return [TraceRequest(i, int(n_in), int(n_out), float(t)) for i, (n_in, n_out, t) in
             enumerate(zip(inputs, outputs, arrivals))]
 
 
-def sharegpt_trace(num_requests: int, seed: int = 0, **kwargs) -> list[Request]:
+def sharegpt_trace(num_requests: int, seed: int = 0, **kwargs) -> list[TraceRequest]:
     """ShareGPT-like: mean input 161, mean output 338 tokens."""
     return make_trace(SHAREGPT, num_requests, seed, **kwargs)
 
 
-def alpaca_trace(num_requests: int, seed: int = 0, **kwargs) -> list[Request]:
+def alpaca_trace(num_requests: int, seed: int = 0, **kwargs) -> list[TraceRequest]:
     """Alpaca-like: mean input 19, mean output 58 tokens."""
     return make_trace(ALPACA, num_requests, seed, **kwargs)
 
 
-def trace_stats(trace: list[Request]) -> dict:
+def trace_stats(trace: list[TraceRequest]) -> dict:
     """Mean and max of input, output and final lengths."""
     inputs = np.array([r.input_len for r in trace])
     outputs = np.array([r.output_len for r in trace])

@@ -6,18 +6,24 @@ token, none). Bad input raises the same ValueErrors as the Triton wrappers. The 
 no cached build exists (a minute on two cores).
 """
 
+import functools
 import random
 import warnings
 
 import pytest
 import torch
 
+import helpers
 from helpers import make_tiny_llm, random_prompts, tiny_llama
 from kernels import cpu
 from paged import LLM, SamplingParams
 from paged import attention as ref
 from paged.model import apply_rope, attention_backend, silu_and_mul
-from test_kernels import assert_prefill_rejects_bad_input, bad_decode_inputs, decode_call, paged_pool, random_query
+
+# the kernel tests' inputs, on the CPU even where there is a GPU
+paged_pool = functools.partial(helpers.paged_pool, device="cpu")
+random_query = functools.partial(helpers.random_query, device="cpu")
+decode_call = functools.partial(helpers.decode_call, device="cpu")
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 SHAPES = [(block_size, group, num_kv_heads, head_dim)
@@ -149,7 +155,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens):
 
 # --- bad input: the Triton wrappers' messages ---------------------------------------------------------------
 
-CPU_CASES = [(change, message) for change, message in bad_decode_inputs()
+CPU_CASES = [(change, message) for change, message in helpers.bad_decode_inputs("cpu")
              if not {"version", "num_splits"} & change.keys()]          # options of the Triton kernels only
 
 
@@ -163,7 +169,7 @@ def test_decode_rejects_bad_input_as_triton_does(change, message):
 
 
 def test_prefill_and_cache_write_reject_bad_input():
-    assert_prefill_rejects_bad_input(cpu.paged_prefill_attention)
+    helpers.assert_prefill_rejects_bad_input(cpu.paged_prefill_attention, "cpu")
     kc, vc, _, _ = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
     key = random_query(3, 2, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match=r"slot_mapping values must be -1 \(skip\) or in \[0, 64\)"):

@@ -20,8 +20,7 @@ from paged.block_manager import cdiv
 from paged.disagg import DisaggregatedLLM, WorkerError
 from paged.geometry import KVGeometry
 
-from helpers import make_tiny_llm, random_prompts, tiny_llama
-from test_oracle import hf_greedy
+from helpers import hf_greedy, make_tiny_llm, random_prompts, tiny_llama
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 48  # 384 token slots per worker: a batch of long requests makes the decode worker wait for room

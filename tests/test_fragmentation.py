@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from paged.fragmentation import (EXTERNAL, LIVE, PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, RESERVED,
                                  FirstFitArena, compare, four_request_example, reservation_tokens, simulate)
-from paged.traces import Request, sharegpt_trace
+from paged.traces import TraceRequest, sharegpt_trace
 
 
 def test_four_request_example():
@@ -43,7 +43,7 @@ def test_first_fit_strands_free_space():
 def test_external_fragmentation_makes_a_request_wait():
     # A, B, C fill a 12-slot arena with 4-slot slabs; A and C finish after one step and leave two 4-slot holes.
     # D needs 6 slots: 8 are free, but not in one piece, so it waits until B in the middle finishes too.
-    trace = [Request(0, 3, 1, 0.0), Request(1, 1, 3, 0.0), Request(2, 3, 1, 0.0), Request(3, 5, 1, 0.0)]
+    trace = [TraceRequest(i, n_in, n_out, 0.0) for i, (n_in, n_out) in enumerate([(3, 1), (1, 3), (3, 1), (5, 1)])]
     naive = simulate(trace, "oracle", capacity=12, max_model_len=16, layout_every=1)
     assert naive.counts[:, EXTERNAL].tolist() == [0, 8, 8, 0]
     assert naive.layouts[1].tolist() == [EXTERNAL] * 4 + [LIVE] * 3 + [RESERVED] + [EXTERNAL] * 4
@@ -91,7 +91,7 @@ def test_breakdown_fields_sum_to_capacity_and_layouts_agree():
     (dict(scheme=16, trace=[]), "trace must hold at least one request"),
 ])
 def test_bad_arguments(kwargs, message):
-    kwargs = dict(trace=[Request(0, 100, 100, 0.0)], capacity=4096) | kwargs
+    kwargs = dict(trace=[TraceRequest(0, 100, 100, 0.0)], capacity=4096) | kwargs
     with pytest.raises(ValueError, match=message):
         simulate(**kwargs)
 
@@ -107,7 +107,7 @@ requests = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40), st.floats(
 @settings(max_examples=60, deadline=None)
 @given(requests, st.sampled_from(["max", "pow2", "oracle", 1, 2, 8, 16, 32]), st.integers(128, 400))
 def test_every_request_finishes_and_everything_is_freed(lengths, scheme, capacity):
-    trace = [Request(i, n_in, n_out, t) for i, (n_in, n_out, t) in enumerate(lengths)]
+    trace = [TraceRequest(i, n_in, n_out, t) for i, (n_in, n_out, t) in enumerate(lengths)]
     result = simulate(trace, scheme, capacity, max_model_len=128, step_time=0.5)
     assert result.finished == len(trace)
     assert result.final_free_slots == (capacity if isinstance(scheme, str) else capacity // scheme * scheme)
@@ -123,7 +123,7 @@ def test_every_request_finishes_and_everything_is_freed(lengths, scheme, capacit
 def test_a_preemption_counts_the_tokens_a_recompute_prefills_again():
     # Two 3-token prompts in two 4-slot blocks: each writes its 4th token, then both need a second block. The
     # older gets it; the newer is preempted holding 4 tokens, which a recompute would prefill again.
-    result = simulate([Request(0, 3, 4, 0.0), Request(1, 3, 4, 0.0)], 4, 8)
+    result = simulate([TraceRequest(0, 3, 4, 0.0), TraceRequest(1, 3, 4, 0.0)], 4, 8)
     assert (result.preemptions, result.recomputed_tokens) == (1, 4)
     assert result.summary()["recomputed_tokens"] == 4
 

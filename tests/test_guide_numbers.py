@@ -12,7 +12,7 @@ from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
 from paged.guide_numbers import (BELADY_REFERENCES, H100_MEMORY, GuideNumber, chunk_sizes, compute_bound_batch,
                                  corrections, e2e_formula_holds, guide_numbers, page_faults, shows_belady_anomaly,
                                  table_rows, unaligned_fraction)
-from paged.speculative import expected_tokens
+from paged.speculative_cost import expected_tokens
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 

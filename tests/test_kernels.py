@@ -12,44 +12,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import functools  # noqa: E402
 import importlib.util  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 import kernels  # noqa: E402
+from helpers import (KERNEL_DEVICE, assert_prefill_rejects_bad_input, bad_decode_inputs, decode_call,  # noqa: E402
+                     decode_inputs, paged_pool, random_query)
 from paged import attention as ref  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
-
-
-def edge_lens(block_size, long):
-    """The context lengths where paging can go wrong: one token, around one full block, and a long one."""
-    return [1, block_size - 1, block_size, block_size + 1, long]
-
-
-def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=5, spare_columns=2):
-    """Random K/V pools and a shuffled block table: sequences own scattered blocks, some blocks are free,
-    and every table has spare columns past its last block, filled with -1 that no kernel may read."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    used = [-(-n // block_size) for n in context_lens]
-    width = max(used) + spare_columns
-    num_blocks = sum(used) + spare_blocks
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
-    for seq, n in enumerate(used):
-        block_tables[seq, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    return [t.to(DEVICE) for t in (key_cache, value_cache, block_tables, lens)]
-
-
-def random_query(rows, num_heads, head_dim, dtype, seed):
-    gen = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
 
 
 def assert_close(out, expected, dtype):
@@ -68,8 +41,8 @@ def test_reshape_and_cache_matches_write_kv(cache_dtype, slot_dtype):
     key = random_query(12, 3, 64, torch.float32, seed=2)                 # fp32 into an fp16 pool is cast
     value = random_query(12, 3, 64, torch.float32, seed=3)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    ref.write_kv(key, value, expected_k, expected_v, slots.to(DEVICE))
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots.to(DEVICE))
+    ref.write_kv(key, value, expected_k, expected_v, slots.to(KERNEL_DEVICE))
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots.to(KERNEL_DEVICE))
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
@@ -83,14 +56,6 @@ DECODE_CASES = [
     (16, 16, 2, 64, torch.float16),
     (32, 4, 4, 128, torch.float16),
 ]
-
-
-def decode_inputs(block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare_columns=2):
-    key_cache, value_cache, block_tables, lens = paged_pool(
-        edge_lens(block_size, long=7 * block_size + 3), block_size, num_kv_heads, head_dim, dtype, seed,
-        spare_columns=spare_columns)
-    query = random_query(len(lens), num_heads, head_dim, dtype, seed)
-    return query, key_cache, value_cache, block_tables, lens, head_dim ** -0.5
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=str)
@@ -153,7 +118,7 @@ def test_prefill(case):
     key_cache, value_cache, block_tables, lens = paged_pool(
         [p + n for p, n in CHUNKS], block_size, num_kv_heads, head_dim, dtype, seed=4)
     query_lens = torch.tensor([n for _, n in CHUNKS])
-    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32).to(DEVICE)
+    query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32).to(KERNEL_DEVICE)
     query = random_query(int(query_lens.sum()), num_heads, head_dim, dtype, seed=4)
     args = query, key_cache, value_cache, block_tables, query_start_loc, lens, head_dim ** -0.5
     assert_close(kernels.paged_prefill_attention(*args), ref.prefill_attention(*args), dtype)
@@ -162,7 +127,7 @@ def test_prefill(case):
 def test_prefill_of_one_token_is_decode():
     """A chunk of one token per sequence is a decode step: the two kernels agree."""
     query, key_cache, value_cache, block_tables, lens, scale = decode_inputs(16, 9, 3, 64, torch.float32)
-    query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32, device=KERNEL_DEVICE)
     prefill = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                                               lens, scale)
     decode = kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale)
@@ -171,46 +136,13 @@ def test_prefill_of_one_token_is_decode():
 
 # --- bad input ---------------------------------------------------------------------------------------------
 
-def decode_call(**change):
-    args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "context_lens", "scale"],
-                    decode_inputs(8, 4, 2, 64, torch.float32)))
-    args.update(change)
-    return functools.partial(kernels.paged_decode_attention, **args)
-
-
-def bad_decode_inputs():
-    q, kc, vc, bt, lens, _ = decode_inputs(8, 4, 2, 64, torch.float32)
-    overlong = lens.clone()
-    overlong[2] = bt.shape[1] * 8 + 1
-    stray = bt.clone()
-    stray[4, 0] = kc.shape[0]
-    return [
-        (dict(block_tables=bt.long()), "block_tables must be int32"),
-        (dict(context_lens=lens.long()), "context_lens must be int32"),
-        (dict(context_lens=overlong), r"context_lens\[2\] = 81 is longer than its block table can hold"),
-        (dict(context_lens=lens * 0), "context_lens must be >= 1"),
-        (dict(block_tables=stray), r"block_tables\[4, 0\] = 18 is outside the pool \[0, 18\)"),
-        (dict(block_tables=bt[:3]), "block_tables has 3 rows but context_lens has 5"),
-        (dict(query=q[:3]), "query has 3 sequences but context_lens has 5"),
-        (dict(query=q[..., :32]), "query head_dim 32 must equal key_cache head_dim 64"),
-        (dict(query=q[:, :3]), "num_heads 3 .* must be a multiple of num_kv_heads 2"),
-        (dict(query=q.half()), "query dtype torch.float16 must equal key_cache dtype torch.float32"),
-        (dict(query=q[0]), r"query must be 3-D"),
-        (dict(value_cache=vc[:-1]), "value_cache must have key_cache's shape"),
-        (dict(key_cache=kc[:, :6], value_cache=vc[:, :6]), "block_size .* must be a power of two, got 6"),
-        (dict(version=3), "version must be 1, 2 or None"),
-        (dict(version=1, num_splits=2), "num_splits applies to version 2 only"),
-        (dict(num_splits=0), r"num_splits must be an int in \[1, 64\]"),
-    ]
-
-
 @pytest.mark.parametrize("change, message", bad_decode_inputs(), ids=lambda x: str(x)[:40])
 def test_decode_rejects_bad_input(change, message):
     with pytest.raises(ValueError, match=message):
         decode_call(**change)()
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="bfloat16 works on a GPU")
+@pytest.mark.skipif(KERNEL_DEVICE == "cuda", reason="bfloat16 works on a GPU")
 def test_bfloat16_is_refused_in_the_interpreter():
     q, kc, vc, bt, lens, scale = decode_inputs(8, 4, 2, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16 on a CPU"):
@@ -221,32 +153,12 @@ def test_prefill_rejects_bad_input():
     assert_prefill_rejects_bad_input(kernels.paged_prefill_attention)
 
 
-def assert_prefill_rejects_bad_input(prefill) -> None:
-    """prefill (the Triton wrapper or the C++ one) names each bad argument and its limit."""
-    kc, vc, bt, lens = paged_pool([5, 9], 8, 2, 64, torch.float32, seed=0)
-    q = random_query(6, 4, 64, torch.float32, seed=0)
-    qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
-    call = lambda **c: prefill(  # noqa: E731
-        **{**dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, query_start_loc=qsl,
-                  context_lens=lens, scale=0.125), **c})
-    with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 3\]"):
-        call(query_start_loc=qsl[:2])
-    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to num_tokens = 6"):
-        call(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32))
-    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to num_tokens = 6"):
-        call(query_start_loc=torch.tensor([0, 7, 6], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"context_lens\[0\] = 2 is shorter than its query length 3"):
-        call(context_lens=torch.tensor([2, 9], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"context_lens\[1\] = 33 is longer than its block table"):
-        call(context_lens=torch.tensor([5, 33], dtype=torch.int32))
-
-
 def test_reshape_and_cache_rejects_bad_input():
     kc, vc, _, _ = paged_pool([16], 8, 2, 64, torch.float32, seed=0)
     key = random_query(3, 2, 64, torch.float32, seed=0)
-    slots = torch.tensor([0, 1, 2])
+    slots = torch.tensor([0, 1, 2], device=KERNEL_DEVICE)
     with pytest.raises(ValueError, match=r"slot_mapping values must be -1 \(skip\) or in \[0, 56\)"):
-        kernels.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 56, 2]))
+        kernels.reshape_and_cache(key, key, kc, vc, torch.tensor([0, 56, 2], device=KERNEL_DEVICE))
     with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
         kernels.reshape_and_cache(key, key, kc, vc, slots.float())
     with pytest.raises(ValueError, match=r"key must be \[num_tokens, num_kv_heads=2, head_dim=64\]"):

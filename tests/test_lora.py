@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_pool_empty, make_tiny_llm, tiny_llama
+from helpers import assert_pool_empty, make_adapter, make_tiny_llm, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 
 from paged import LoRARequest, SamplingParams
 from paged import lora as lora_module
@@ -23,20 +23,6 @@ from paged.model import PagedLlama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
-
-
-def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
-    """A PEFT LoRA on the tiny Llama with random A and B, saved to path; returns (path, the PEFT model)."""
-    targets = targets if isinstance(targets, str) else list(targets)     # a string is PEFT's regex form
-    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r),
-                                                         target_modules=targets, lora_dropout=0.0, **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * (0.4 / param.shape[-1] ** 0.5))
-    peft_model.save_pretrained(str(path))
-    return str(path), peft_model.eval()
 
 
 def hf_greedy(model, prompt, max_tokens=GREEDY.max_tokens) -> list[int]:

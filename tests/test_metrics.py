@@ -7,11 +7,12 @@ import pytest
 import torch
 from helpers import assert_pool_empty, make_tiny_llm
 
-from paged.metrics import (SLO, RequestRecord, StepCost, StepRecord, goodput, percentiles, poisson_arrivals, replay,
+from paged.metrics import (SLO, RequestRecord, StepRecord, goodput, percentiles, poisson_arrivals, replay,
                            summarize)
 from paged.sampling import SamplingParams
 from paged.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from paged.traces import LengthProfile, Request, make_trace
+from paged.step_cost import StepCost
+from paged.traces import LengthProfile, TraceRequest, make_trace
 
 # prompts long against outputs, so that prefill competes with decode; lengths fit the tiny model's 512 positions
 LONG_PROMPTS = LengthProfile("long prompts", mean_input=200, mean_output=24, sigma_input=0.8, sigma_output=0.8)
@@ -100,7 +101,7 @@ def test_step_cost_model_and_fit():
 def test_simulated_clock_charges_each_step_and_jumps_when_idle(tiny_model):
     llm = make_tiny_llm(tiny_model)
     one_second_steps = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)
-    trace = [Request(0, 10, 4, 0.5), Request(1, 5, 2, 20.0)]
+    trace = [TraceRequest(0, 10, 4, 0.5), TraceRequest(1, 5, 2, 20.0)]
     result = replay(llm.engine, trace, step_cost=one_second_steps)
     first, second = result.requests
     # request 0: idle until 0.5, prefill step [0.5, 1.5] gives token 1, three decode steps give tokens 2-4
@@ -165,7 +166,7 @@ def test_static_batching_admits_a_batch_only_when_the_engine_is_idle(tiny_model)
 
 
 def test_preemption_in_a_tiny_pool_loses_nothing_and_changes_no_output(tiny_model):
-    trace = [Request(i, 20 + 3 * i, 30, 0.0) for i in range(6)]
+    trace = [TraceRequest(i, 20 + 3 * i, 30, 0.0) for i in range(6)]
     roomy = replay(make_tiny_llm(tiny_model, num_blocks=64).engine, trace)
     tight_llm = make_tiny_llm(tiny_model, num_blocks=14)            # 112 slots for 6 requests of 50-95 tokens
     tight = replay(tight_llm.engine, trace)
@@ -195,7 +196,7 @@ def test_goodput_falls_when_the_rate_passes_capacity(tiny_model):
 
 def test_chunked_prefill_bounds_the_stall_of_running_decodes(tiny_model):
     # four short requests decode; a 400-token prompt arrives while they run
-    trace = [Request(i, 16, 40, 0.0) for i in range(4)] + [Request(4, 400, 4, 0.3)]
+    trace = [TraceRequest(i, 16, 40, 0.0) for i in range(4)] + [TraceRequest(4, 400, 4, 0.3)]
     results = {}
     for chunked, budget in ((False, 512), (True, 64)):
         llm = make_tiny_llm(tiny_model, num_blocks=128, block_size=16, max_num_batched_tokens=budget,
@@ -214,7 +215,7 @@ def test_real_clock_replay(tiny_model):
     llm = make_tiny_llm(tiny_model)
     clock_before = llm.engine.clock
     started = time.perf_counter()
-    result = replay(llm.engine, [Request(0, 8, 3, 0.0), Request(1, 8, 3, 0.05)], clock="real")
+    result = replay(llm.engine, [TraceRequest(0, 8, 3, 0.0), TraceRequest(1, 8, 3, 0.05)], clock="real")
     elapsed = time.perf_counter() - started
     assert llm.engine.clock is clock_before                        # the driver puts the engine's clock back
     second = result.requests[1]
@@ -225,7 +226,7 @@ def test_real_clock_replay(tiny_model):
 
 def test_replay_rejects_bad_arguments(tiny_model):
     llm = make_tiny_llm(tiny_model)
-    trace = [Request(0, 8, 3, 0.0)]
+    trace = [TraceRequest(0, 8, 3, 0.0)]
     with pytest.raises(ValueError, match="clock"):
         replay(llm.engine, trace, clock="sundial")
     with pytest.raises(ValueError, match="static_batch_size"):

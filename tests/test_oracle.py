@@ -5,18 +5,9 @@ import torch
 
 from paged import SamplingParams
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
+from helpers import assert_pool_empty, hf_greedy, make_tiny_llm, random_prompts, run_engine
 
 NEW_TOKENS = 48
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": 0}
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -11,43 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts, tiny_llama
+from helpers import (FailOnForward, Interrupt, assert_pool_empty, cached_blocks_hold_their_tokens, hf_greedy,
+                     make_tiny_llm, random_prompts, record_cached_prefixes, run_through_interrupts, tiny_llama)
 from paged import LLM, SamplingParams
 from paged.sampling import MAX_SEED
-from test_oracle import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-class Interrupt(Exception):
-    """What a failing forward observer raises (KeyboardInterrupt behaves the same: both are caught as BaseException)."""
-
-
-class FailOnForward:
-    """A forward observer that raises on its `at`-th call from now (1 = the next forward pass), once."""
-
-    def __init__(self, at: int = 1, error=Interrupt):
-        self.countdown, self.error = at, error
-
-    def __call__(self, plan):
-        self.countdown -= 1
-        if self.countdown == 0:
-            raise self.error("interrupted")
-
-
-def run_through_interrupts(engine, request_ids: list[str], interrupt_at: tuple[int, ...]) -> list[list[int]]:
-    """Step the engine to the end while each of interrupt_at in turn interrupts the at-th forward pass from then;
-    returns the requests' first completions, in the order of request_ids."""
-    outputs = {}
-    for at in interrupt_at:
-        engine.forward_observers[:] = [FailOnForward(at)]
-        with pytest.raises(Interrupt):
-            for _ in range(100):
-                outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    engine.forward_observers.clear()
-    while engine.has_unfinished_requests():
-        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
-    return [outputs[i] for i in request_ids]
 
 
 @pytest.fixture(scope="module")
@@ -64,38 +33,6 @@ def expected(tiny_model, prompts):
 
 def tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def cached_blocks_hold_their_tokens(llm, model, prefix_of: dict) -> None:
-    """Every block in the prefix cache holds, in every layer, the K/V that transformers computes for its tokens.
-    prefix_of maps a block hash to the token ids from the sequence's start to the block's end."""
-    manager, cache = llm.engine.block_manager, llm.engine.kv_cache
-    size = manager.block_size
-    for block_hash, block in manager.cached.items():
-        prefix = prefix_of[block_hash]
-        with torch.no_grad():
-            layers = model(torch.tensor([prefix]), use_cache=True).past_key_values.layers
-        for index, layer in enumerate(layers):
-            keys = layer.keys[0, :, -size:].transpose(0, 1)      # [block_size, num_kv_heads, head_dim]
-            values = layer.values[0, :, -size:].transpose(0, 1)
-            torch.testing.assert_close(cache.key_cache(index)[block.block_id], keys, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(cache.value_cache(index)[block.block_id], values, atol=1e-4, rtol=1e-4)
-
-
-def record_cached_prefixes(llm) -> dict:
-    """Wrap the block manager so the test learns the tokens behind every hash it registers."""
-    manager, prefix_of = llm.engine.block_manager, {}
-    register = manager.cache_full_blocks
-
-    def recording(seq_id, token_ids, num_computed_tokens, extra_key=None):
-        registered = register(seq_id, token_ids, num_computed_tokens, extra_key)
-        table = manager.block_tables[seq_id]
-        for block in registered:
-            prefix_of[block.block_hash] = list(token_ids[:(table.index(block.block_id) + 1) * manager.block_size])
-        return registered
-
-    manager.cache_full_blocks = recording
-    return prefix_of
 
 
 # ---- 1. an interrupted step ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from helpers import assert_pool_empty, make_tiny_llm, random_prompts
 from paged import SamplingParams
 from paged.sharing import (BlockSteps, beam_search_rows, beam_search_saving, on_forward, parallel_sampling_rows,
                            parallel_sampling_saving, parallel_sampling_usage)
-from paged.traces import Request, alpaca_trace, sharegpt_trace
+from paged.traces import TraceRequest, alpaca_trace, sharegpt_trace
 from paged.viz import beam_search_frames, fork_caption, plot_savings, savings_table_html, sequences_snapshot
 
 
@@ -93,7 +93,7 @@ def test_on_forward_sees_the_step_copies(tiny_model):
 
 def test_beam_search_rows_on_a_trace(tiny_model):
     llm = make_tiny_llm(tiny_model, num_blocks=512, block_size=16)
-    trace = [Request(0, input_len=20, output_len=12, arrival_time=0.0), Request(1, 9, 8, 0.0)]
+    trace = [TraceRequest(0, input_len=20, output_len=12, arrival_time=0.0), TraceRequest(1, 9, 8, 0.0)]
     rows = beam_search_rows(llm, "tiny", {"alpaca": trace}, widths=(2, 4))
     assert [(r["method"], r["model"], r["n"]) for r in rows] == [("beam search", "tiny", 2), ("beam search", "tiny", 4)]
     assert all(0 < r["saving"] < 1 and r["paper"] == (0.376, 0.552) for r in rows)

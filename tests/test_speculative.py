@@ -4,11 +4,10 @@ everything, rejected drafts give their blocks back, bad configs are refused by n
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
+from helpers import (assert_pool_empty, cached_blocks_hold_their_tokens, hf_greedy, make_tiny_llm, random_prompts,
+                     record_cached_prefixes, run_engine, run_through_interrupts)
 from paged import SamplingParams
 from paged.block_manager import cdiv
-from test_oracle import hf_greedy
-from test_robustness import cached_blocks_hold_their_tokens, record_cached_prefixes
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -182,7 +181,6 @@ def test_spec_stats_are_zero_without_speculation(tiny_model, prompts):
 
 
 def test_an_interrupted_verify_is_rolled_back(tiny_model, prompts, expected):
-    from test_robustness import run_through_interrupts
     llm = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True,
                         speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3,
                                             "draft_layers": 1})
@@ -218,8 +216,8 @@ def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model
 
 
 def test_the_cost_model_finds_where_speculation_stops_paying():
-    from paged.metrics import StepCost
-    from paged.speculative import crossover_batch, expected_tokens, verify_speedup
+    from paged.speculative_cost import crossover_batch, expected_tokens, verify_speedup
+    from paged.step_cost import StepCost
     weights_bound = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost one
     compute_bound = StepCost(fixed=0.0, per_token=1.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost k + 1
     assert verify_speedup(weights_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3))
@@ -235,7 +233,7 @@ def test_the_cost_model_finds_where_speculation_stops_paying():
 
 
 def test_measure_step_times_decodes_and_verifies_and_gives_the_pool_back(tiny_model):
-    from paged.speculative import measure_step
+    from paged.speculative_cost import measure_step
     llm = make_tiny_llm(tiny_model, num_blocks=32)
     assert measure_step(llm.engine, 4, 1, context=20, repeats=2) > 0
     assert measure_step(llm.engine, 4, 4, context=20, repeats=2) > 0

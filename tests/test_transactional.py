@@ -18,10 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paged
-from helpers import assert_pool_empty, assert_ref_counts_exact, make_tiny_llm, random_prompts
+from helpers import assert_pool_empty, assert_ref_counts_exact, make_adapter, make_tiny_llm, random_prompts
 from paged import LoRARequest, SamplingParams
 from paged.sequence import SequenceStatus
-from test_lora import make_adapter
 
 PAGED_DIR = os.path.dirname(paged.__file__) + os.sep
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -13,13 +13,13 @@ import torch
 from helpers import make_tiny_llm, player_frames
 
 from paged.metrics import SLO, ReplayResult, RequestRecord, StepRecord, replay
-from paged.traces import Request
+from paged.traces import TraceRequest
 from paged.viz import (empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps, schedule_caption,
                        timeline_html, timeline_player, timeline_states)
 
 
 def hand_made() -> ReplayResult:
-    """Request 0 runs alone, request 1 arrives at 0.5, joins, is preempted at step 2 and recomputed; request 2
+    """TraceRequest 0 runs alone, request 1 arrives at 0.5, joins, is preempted at step 2 and recomputed; request 2
     arrives at 3.5."""
     records = [RequestRecord("0", 4, 3, 0.0, 0.0, 1.0, 3.0), RequestRecord("1", 6, 2, 0.5, 1.0, 4.0, 5.0),
                RequestRecord("2", 2, 1, 3.5, 4.0, 5.0, 5.0)]
@@ -70,7 +70,7 @@ def test_timeline_of_a_real_replay_with_preemption(tiny_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # the tiny model gains nothing from a second thread
     llm = make_tiny_llm(tiny_model, num_blocks=12)
-    result = replay(llm.engine, [Request(i, 20, 24, 0.1 * i) for i in range(4)])
+    result = replay(llm.engine, [TraceRequest(i, 20, 24, 0.1 * i) for i in range(4)])
     torch.set_num_threads(threads)
     states = timeline_states(result)
     assert any("preempted" in row for row in states)

@@ -8,11 +8,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from paged.fragmentation import PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, STATE_NAMES, SimulationResult
-from paged.traces import Request
+from paged.traces import TraceRequest
 from paged.viz.common import html_table
 
 
-def plot_length_histograms(traces: dict[str, list[Request]], bins: int = 40):
+def plot_length_histograms(traces: dict[str, list[TraceRequest]], bins: int = 40):
     """Histograms of input and output lengths (shared log-spaced bins, each trace's bars sum to 1)."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     longest = max(max(r.input_len, r.output_len) for trace in traces.values() for r in trace)

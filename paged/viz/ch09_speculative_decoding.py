@@ -11,7 +11,7 @@ import html
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.speculative import crossover_batch, expected_tokens, verify_speedup
+from paged.speculative_cost import crossover_batch, expected_tokens, verify_speedup
 
 
 def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
@@ -95,7 +95,7 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
 def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512,
                           points=()):
     """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per acceptance rate,
-    each step priced by step_cost (paged.metrics.StepCost); where a curve crosses 1 is where speculation stops
+    each step priced by step_cost (paged.step_cost.StepCost); where a curve crosses 1 is where speculation stops
     paying. points: (batch, speedup, label) measured, drawn on the same axes."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     batches = np.unique(np.geomspace(1, max_batch, 64).round().astype(int)).tolist()
