@@ -3,6 +3,8 @@
 demo      answers a few chat prompts with SmolLM2 through the paged engine and shows where their K/V lived:
           each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
 generate  answers your own prompts (chat template applied) and prints the text.
+          Both take --model: a checkpoint folder or a model in the local Hugging Face cache (Llama, Mistral,
+          Qwen2, Qwen3) instead of SmolLM2.
 bench     runs benchmarks/throughput.py from the repository checkout (arguments pass through).
 setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
 """
@@ -31,7 +33,7 @@ def run_demo(args) -> None:
     from paged.models import chat_prompt
 
     started = time.perf_counter()
-    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
     engine = llm.engine
     manager = engine.block_manager
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -57,7 +59,8 @@ def run_demo(args) -> None:
 
     bytes_per_block = engine.kv_stats()["bytes_per_block"]
     bytes_per_token = bytes_per_block // manager.block_size
-    print(f"SmolLM2-135M-Instruct on {engine.device}, {manager.num_blocks} blocks of {manager.block_size} tokens "
+    name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
+    print(f"{name} on {engine.device}, {manager.num_blocks} blocks of {manager.block_size} tokens "
           f"({bytes_per_block / 2**10:.0f} KiB per block, {bytes_per_token:,} B per token)\n")
     for request_id, out in outputs.items():
         completion = out.outputs[0]
@@ -87,7 +90,7 @@ def run_generate(args) -> None:
     from paged import LLM, SamplingParams
     from paged.models import chat_prompt
 
-    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     prompts = [chat_prompt(llm.tokenizer, p) if not args.raw else p for p in args.prompts]
@@ -122,6 +125,8 @@ def main(argv=None) -> None:
         command.add_argument("--num-blocks", type=int, default=1024)
         command.add_argument("--max-tokens", type=int, default=48)
         command.add_argument("--device", default=None)
+        command.add_argument("--model", default="smollm2",
+                             help="a checkpoint folder or a model in the local Hugging Face cache (default: smollm2)")
     generate = commands.choices["generate"]
     generate.add_argument("prompts", nargs="+")
     generate.add_argument("--temperature", type=float, default=0.0)

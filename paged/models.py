@@ -122,6 +122,9 @@ def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:
-    """The model's chat template around one user message, ending where the assistant's answer begins."""
+    """The model's chat template around one user message, ending where the assistant's answer begins; a base model
+    without a chat template gets the message as it is."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return user_message
     messages = [{"role": "user", "content": user_message}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
