@@ -47,7 +47,7 @@ def resolve_folder(model: str, argument: str = "model") -> Path:
                          f"is ever downloaded: fetch it first, e.g. `hf download {model}`)") from error
 
 
-def read_config(folder: Path):
+def read_config(folder: Path, argument: str = "model"):
     """transformers' config for the folder, and the description of its architecture (architectures.py)."""
     from transformers import AutoConfig
     if not (folder / CONFIG).is_file():
@@ -57,7 +57,7 @@ def read_config(folder: Path):
     except (ValueError, KeyError, OSError) as error:  # an unknown model_type, malformed JSON
         raise ValueError(f"{CONFIG} in {str(folder)!r} cannot be read: {error}") from None
     names = getattr(config, "architectures", None) or [f"(none; model_type {config.model_type!r})"]
-    return config, check_supported(names[0], config, f"model {str(folder)!r}")
+    return config, check_supported(names[0], config, f"{argument} {str(folder)!r}")
 
 
 def read_header(path: Path) -> tuple[int, dict]:
@@ -146,10 +146,11 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
     raise ValueError(f"model folder {str(folder)!r} is missing tensor 'model.embed_tokens.weight'")
 
 
-def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, backend: str) -> PagedLlama:
+def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, backend: str,
+                    argument: str = "model") -> PagedLlama:
     """The folder's model as a PagedLlama, its weights read once into the engine's layout."""
     from tqdm.auto import tqdm
-    config, arch = read_config(folder)
+    config, arch = read_config(folder, argument)
     files = weight_files(folder)
     layout = engine_layout(config, arch)
     tensors = allocate(layout, dtype, device)

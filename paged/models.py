@@ -94,26 +94,28 @@ def load_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device
 
 
 def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None, backend: str,
-               argument: str = "model"):
+               argument: str = "model", with_tokenizer: bool = True):
     """(PagedLlama, tokenizer) for `model`: "smollm2", a transformers model object of a supported architecture
     (its tokenizer is the one given), a checkpoint folder or the name of a model in the local Hugging Face cache
-    (the tokenizer given, else the folder's). dtype None: bf16 on a GPU (a checkpoint's own dtype there), else fp32.
+    (the tokenizer given, else the folder's, unless with_tokenizer is False: a draft model). dtype None: bf16 on
+    a GPU (a checkpoint's own dtype there), else fp32.
     The PagedLlama's `source` says where it came from, so that a draft of the same model can share its weights."""
     from .model import PagedLlama, check_model
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(model, str) and model == MODEL_NAME:
         hf_model, tokenizer = load_hf_model(dtype=dtype or default, device=device)
         target, source = PagedLlama(hf_model, backend), MODEL_NAME
-    elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
-        check_model(model, argument)
+    elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        check_model(model, argument)  # another architecture is refused by name
         target, source = PagedLlama(model.to(device=device, dtype=dtype or default).eval(), backend), model
     elif isinstance(model, (str, os.PathLike)):
         from .checkpoints import checkpoint_dtype, load_checkpoint, load_tokenizer, read_config, resolve_folder
         folder = resolve_folder(os.fspath(model), argument)
-        read_config(folder)  # a bad config fails before the tokenizer and the weights are read
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
+        read_config(folder, argument)  # a bad config fails before the tokenizer and the weights are read
+        if tokenizer is None and with_tokenizer:
+            tokenizer = load_tokenizer(folder)
         dtype = dtype or (checkpoint_dtype(folder) if device.type == "cuda" else torch.float32)
-        target, source = load_checkpoint(folder, device, dtype, backend), str(folder.resolve())
+        target, source = load_checkpoint(folder, device, dtype, backend, argument), str(folder.resolve())
     else:
         raise ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
                          f"the local Hugging Face cache, or a transformers model object, got {model!r}")

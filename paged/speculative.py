@@ -19,10 +19,12 @@ A step with speculation:
 Proposers:
   - ngram (prompt lookup): find the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) earlier in
     prompt + output, the most recent occurrence, and propose the tokens that followed it. No second model.
-  - draft model: a model of the target's family and vocabulary (a smaller Qwen3 for a Qwen3) runs k cheap steps on its own paged KV pool, with its own
-    block tables, grown for the k steps and truncated back with the target's. "smollm2" as the draft of the bundled
-    model is the target itself: every greedy draft must be accepted. `draft_layers: L` keeps only the draft's first
-    L layers, with its final norm and head: an early-exit self-draft, L / num_layers of the cost, untrained.
+  - draft model: a model of the target's family and vocabulary (a smaller Qwen3 for a Qwen3) runs k cheap steps
+    on its own paged KV pool, with its own block tables, grown for the k steps and truncated back with the
+    target's. The target's own model as its draft ("smollm2" for the bundled model, the same folder, the same
+    object) is the target itself, sharing its weights: every greedy draft must be accepted. `draft_layers: L`
+    keeps only the draft's first L layers, with its final norm and head: an early-exit self-draft, L / num_layers
+    of the cost, untrained.
 """
 
 import copy
@@ -165,7 +167,7 @@ def resolve_draft(config: SpeculativeConfig, target: PagedLlama, backend: str) -
     if model is target.source or (isinstance(model, str) and model == target.source):
         draft = copy.copy(target)
     else:
-        draft = load_model(model, None, target.device, target.dtype, backend, argument)[0]
+        draft, _ = load_model(model, None, target.device, target.dtype, backend, argument, with_tokenizer=False)
     if draft.embed_tokens.shape[0] != target.embed_tokens.shape[0]:
         raise ValueError(f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
                          f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer")

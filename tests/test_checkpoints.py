@@ -1,4 +1,4 @@
-"""Bring your own model (checkpoints.py, architectures.py): Llama, Mistral, Qwen2 and Qwen3 folders against transformers.
+"""Bring your own model (checkpoints.py, architectures.py): Llama, Mistral, Qwen2, Qwen3 folders against transformers.
 
 Every model is random, with awkward shapes: GQA 1:1 and 4:1, head_dim 64 and 128 (explicit, unlike hidden_size /
 heads, where the config allows it), one or three layers, a vocabulary of 331 (not a multiple of 64), tied and untied
@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SHARED = list(range(3, 27))          # a 24-token prefix the prompts share: the prefix cache has work to do
 PROMPTS = [SHARED + [40, 41, 42], SHARED + [7] * 9, SHARED + list(range(100, 117)), [5, 6, 7]]
 ENGINE = dict(block_size=8, num_blocks=12, enable_prefix_caching=True, enable_chunked_prefill=True,
-              max_num_seqs=4, max_num_batched_tokens=16, device="cpu")  # 12 blocks for 4 sequences of up to 51 tokens: preemption
+              max_num_seqs=4, max_num_batched_tokens=16, device="cpu")  # 4 sequences of up to 51 tokens: preemption
 
 COMMON = dict(vocab_size=VOCAB, intermediate_size=160, max_position_embeddings=256, initializer_range=0.1,
               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -296,7 +296,8 @@ BAD_FOLDERS = {
     "wrong shape": (lambda f: edit_config(f, intermediate_size=96),
                     "tensor 'model.layers.0.mlp.\\w+_proj.weight' in model.safetensors has shape \\((160, 128|128, 160)"
                     "\\); config.json says \\((96, 128|128, 96)\\)"),
-    "integer weights": (lambda f: edit_weights(f, lambda t: t.update({"model.norm.weight": torch.ones(128, dtype=torch.int32)})),
+    "integer weights": (lambda f: edit_weights(f, lambda t: t.update(
+        {"model.norm.weight": torch.ones(128, dtype=torch.int32)})),
                         "'model.norm.weight' in model.safetensors has dtype I32"),
     "truncated": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),
                   "truncated"),
