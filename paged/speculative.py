@@ -19,13 +19,16 @@ A step with speculation:
 Proposers:
   - ngram (prompt lookup): find the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) earlier in
     prompt + output, the most recent occurrence, and propose the tokens that followed it. No second model.
-  - draft model: a Llama with the target's vocabulary runs k cheap steps on its own paged KV pool, with its own
-    block tables, grown for the k steps and truncated back with the target's. "smollm2" as the draft of the bundled
-    model is the target itself: every greedy draft must be accepted. `draft_layers: L` keeps only the draft's first
-    L layers, with its final norm and head: an early-exit self-draft, L / num_layers of the cost, untrained.
+  - draft model: a model of the target's family and vocabulary (a smaller Qwen3 for a Qwen3) runs k cheap steps
+    on its own paged KV pool, with its own block tables, grown for the k steps and truncated back with the
+    target's. The target's own model as its draft ("smollm2" for the bundled model, the same folder, the same
+    object) is the target itself, sharing its weights: every greedy draft must be accepted. `draft_layers: L`
+    keeps only the draft's first L layers, with its final norm and head: an early-exit self-draft, L / num_layers
+    of the cost, untrained.
 """
 
 import copy
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +38,7 @@ from .batching import prepare_inputs
 from .block_manager import AllocStatus, BlockManager
 from .inputs import integer
 from .kv_cache import KVCache
-from .model import PagedLlama, check_llama
+from .model import PagedLlama
 from .rejection_sampler import greedy_accept, rejection_sample
 from .sampling import filter_logits
 
@@ -49,7 +52,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
-    model: object = None          # draft_model: "smollm2", a local folder, or a transformers Llama object
+    model: object = None          # draft_model: as LLM's model ("smollm2", a folder, a cached name, a model object)
     draft_layers: int | None = None
 
     @classmethod
@@ -85,31 +88,18 @@ class SpeculativeConfig:
         return out
 
 
-def resolve_draft(config: SpeculativeConfig, target: PagedLlama, target_hf, backend: str,
-                  bundled_target: bool) -> PagedLlama:
+def resolve_draft(config: SpeculativeConfig, target: PagedLlama, backend: str) -> PagedLlama:
     """The draft model as a PagedLlama on the target's device and dtype, sharing weights with the target where
-    it is the target (or its first layers). bundled_target: the target was loaded as "smollm2"."""
-    model = config.model
-    if isinstance(model, str) and model == "smollm2":
-        from .models import load_hf_model
-        draft_hf = target_hf if bundled_target else load_hf_model(dtype=target.dtype, device=target.device)[0]
-    elif isinstance(model, str):
-        from transformers import AutoModelForCausalLM
-        try:
-            draft_hf = AutoModelForCausalLM.from_pretrained(model, dtype=target.dtype, local_files_only=True)
-        except (OSError, ValueError) as error:  # no such folder; a model transformers cannot load as a causal LM
-            raise ValueError(f"speculative_config['model'] {model!r} is neither 'smollm2' nor a local folder of a "
-                             f"Llama: {error}") from None
-    elif isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
-        draft_hf = model
-    else:
-        raise ValueError(f"speculative_config['model'] must be 'smollm2', a local model folder or a transformers "
-                         f"Llama model object, got {model!r}")
-    check_llama(draft_hf, "speculative_config['model']")
-    if draft_hf is target_hf:
+    it is the target (or its first layers): the same model object, "smollm2" twice, or the same folder."""
+    from .models import load_model
+    argument, model = "speculative_config['model']", config.model
+    if isinstance(model, (str, os.PathLike)) and model != "smollm2":
+        from .checkpoints import resolve_folder
+        model = str(resolve_folder(os.fspath(model), argument).resolve())
+    if model is target.source or (isinstance(model, str) and model == target.source):
         draft = copy.copy(target)
     else:
-        draft = PagedLlama(draft_hf.to(device=target.device, dtype=target.dtype).eval(), backend)
+        draft, _ = load_model(model, None, target.device, target.dtype, backend, argument, with_tokenizer=False)
     if draft.embed_tokens.shape[0] != target.embed_tokens.shape[0]:
         raise ValueError(f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
                          f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer")

@@ -380,11 +380,12 @@ def test_llama_settings_the_engine_cannot_run_are_refused_by_name(overrides, nam
 
 
 def test_another_architecture_is_refused_by_name():
-    from transformers import MistralConfig, MistralForCausalLM
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="MistralForCausalLM .*LlamaForCausalLM"):
-        make_tiny_llm(mistral)
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    other = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=1, num_attention_heads=4))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM .*LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM only"):
+        make_tiny_llm(other)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -409,15 +410,13 @@ def test_llama_settings_the_engine_honours_equal_transformers(overrides, prompts
     assert tokens(outs) == [hf_greedy(model, p, GREEDY.max_tokens, stop_at_eos=False) for p in prompts[:3]]
 
 
-@pytest.mark.parametrize("architecture", ["gpt2", "mistral"])
+@pytest.mark.parametrize("architecture", ["gpt2", "llama-mlp-bias"])
 def test_a_draft_model_folder_of_another_architecture_is_refused_by_name(tmp_path, prompts, architecture):
-    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
     if architecture == "gpt2":
         other = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=1, n_head=4, n_positions=512))
     else:
-        other = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                 max_position_embeddings=512))
+        other = tiny_llama(mlp_bias=True)
     other.save_pretrained(tmp_path / architecture)
     tiny_llama(seed=1).save_pretrained(tmp_path / "llama")
     config = {"method": "draft_model", "num_speculative_tokens": 2}

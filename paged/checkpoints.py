@@ -1,0 +1,199 @@
+"""Bring your own model: a Llama, Mistral, Qwen2 or Qwen3 checkpoint folder, read straight into the engine (guide §5).
+
+    LLM(model="/path/to/Qwen3-0.6B")        a folder in transformers' format
+    LLM(model="Qwen/Qwen3-0.6B")            a model already in the local Hugging Face cache (never downloaded)
+
+A folder holds config.json, the weights as safetensors (model.safetensors, or shards named by
+model.safetensors.index.json) and the tokenizer's files. The transformers model is never built: the engine's
+tensors (fused QKV, fused gate/up, ...) are allocated once, in the dtype asked for, and each checkpoint tensor is
+read from its file straight into its rows, shard by shard. A safetensors file is an 8-byte header length, a JSON
+header (each tensor's dtype, shape and byte range) and the raw little-endian bytes; reading those bytes with
+readinto, rather than through a memory map, keeps the process holding the weights once: a mapped file's pages
+would count as the process's memory until the file is closed.
+
+Everything wrong with a folder is a ValueError naming it: no config.json, an architecture the engine does not run,
+a missing, unexpected or misshapen tensor, a tokenizer that cannot be read.
+"""
+
+import importlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .architectures import check_supported, layer_tensor_shapes
+from .model import LayerWeights, ModelWeights, PagedLlama
+
+CONFIG = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older Llama checkpoints carry; the table is recomputed
+
+
+def resolve_folder(model: str, argument: str = "model") -> Path:
+    """A folder, or a name ("org/name") of a model in the local Hugging Face cache, read offline."""
+    if os.path.isdir(model):
+        return Path(model)
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError) as error:  # not downloaded; not a valid repository name
+        raise ValueError(f"{argument} must be 'smollm2', a model folder or the name of a model downloaded to the "
+                         f"Hugging Face cache; {model!r} is none of them (looked in {constants.HF_HUB_CACHE}; nothing "
+                         f"is ever downloaded: fetch it first, e.g. `hf download {model}`)") from error
+
+
+def read_config(folder: Path, argument: str = "model"):
+    """transformers' config for the folder, and the description of its architecture (architectures.py)."""
+    from transformers import AutoConfig
+    if not (folder / CONFIG).is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no {CONFIG}")
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:  # an unknown model_type, malformed JSON
+        raise ValueError(f"{CONFIG} in {str(folder)!r} cannot be read: {error}") from None
+    names = getattr(config, "architectures", None) or [f"(none; model_type {config.model_type!r})"]
+    return config, check_supported(names[0], config, f"{argument} {str(folder)!r}")
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header: where the data starts, and {name: {dtype, shape, data_offsets}}."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, ValueError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The folder's safetensors files: the shards its index names, or its one file."""
+    if (folder / INDEX).is_file():
+        try:
+            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError) as error:
+            raise ValueError(f"{INDEX} in {str(folder)!r} is malformed: {error}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        raise ValueError(f"model folder {str(folder)!r} has neither {SINGLE_FILE} nor {INDEX} "
+                         f"(the engine reads safetensors weights only)")
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"{INDEX} in {str(folder)!r} names {path.name}, which is missing")
+    return files
+
+
+def engine_layout(config, arch) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Each checkpoint tensor -> (engine tensor, first row in it, expected shape); engine tensors are named
+    'embed_tokens', 'final_norm', 'lm_head', or 'layers.{i}.{field of LayerWeights}'."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    layout = {"model.embed_tokens.weight": ("embed_tokens", 0, (vocab, hidden)),
+              "model.norm.weight": ("final_norm", 0, (hidden,))}
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = ("lm_head", 0, (vocab, hidden))
+    shapes = layer_tensor_shapes(config)
+    for index in range(config.num_hidden_layers):
+        for name, parts in arch.layer_tensors().items():
+            row = 0
+            for part in parts:
+                layout[f"model.layers.{index}.{part}"] = (f"layers.{index}.{name}", row, shapes[part])
+                row += shapes[part][0]
+    return layout
+
+
+def allocate(layout: dict, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The engine's tensors, empty: each fused tensor once, with the rows of all its parts."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for target, row, shape in layout.values():
+        rows = max(shapes.get(target, (0,))[0], row + shape[0])
+        shapes[target] = (rows, *shape[1:])
+    return {target: torch.empty(shape, dtype=dtype, device=device) for target, shape in shapes.items()}
+
+
+def read_tensor(f, start: int, name: str, entry: dict, out: torch.Tensor, path: Path) -> None:
+    """Read one checkpoint tensor's bytes into `out` (contiguous rows of an engine tensor), converting its dtype."""
+    source_dtype = DTYPES.get(entry["dtype"])
+    if source_dtype is None:
+        raise ValueError(f"tensor {name!r} in {path.name} has dtype {entry['dtype']}; the engine reads "
+                         f"{', '.join(DTYPES)} weights only")
+    begin, end = entry["data_offsets"]
+    direct = out.device.type == "cpu" and out.dtype == source_dtype
+    buffer = out if direct else torch.empty(out.shape, dtype=source_dtype)
+    if end - begin != buffer.nbytes:
+        raise ValueError(f"tensor {name!r} in {path.name} holds {end - begin} bytes, not the {buffer.nbytes} of "
+                         f"its shape")
+    f.seek(start + begin)
+    if f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != buffer.nbytes:
+        raise ValueError(f"{path.name} is truncated: tensor {name!r} runs past its end")
+    if not direct:
+        out.copy_(buffer)
+
+
+def checkpoint_dtype(folder: Path) -> torch.dtype:
+    """The dtype the checkpoint stores its embedding in."""
+    for path in weight_files(folder):
+        entry = read_header(path)[1].get("model.embed_tokens.weight")
+        if entry is not None:
+            return DTYPES.get(entry["dtype"], torch.float32)
+    raise ValueError(f"model folder {str(folder)!r} is missing tensor 'model.embed_tokens.weight'")
+
+
+def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, backend: str,
+                    argument: str = "model") -> PagedLlama:
+    """The folder's model as a PagedLlama, its weights read once into the engine's layout."""
+    from tqdm.auto import tqdm
+    config, arch = read_config(folder, argument)
+    files = weight_files(folder)
+    layout = engine_layout(config, arch)
+    tensors = allocate(layout, dtype, device)
+    headers = {path: read_header(path) for path in files}
+    seen = set()
+    total = sum(end - begin for _, header in headers.values() for begin, end in
+                (entry["data_offsets"] for entry in header.values()))
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {folder.name}") as bar:
+        for path, (start, header) in headers.items():
+            bar.set_postfix_str(path.name)
+            with open(path, "rb") as f:
+                for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                    bar.update(entry["data_offsets"][1] - entry["data_offsets"][0])
+                    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue  # tied: transformers uses the embedding as the head and ignores this copy
+                    if name not in layout:
+                        raise ValueError(f"unexpected tensor {name!r} in {path.name}: it is not a weight of a "
+                                         f"{arch.name} with this {CONFIG}")
+                    target, row, shape = layout[name]
+                    if tuple(entry["shape"]) != shape:
+                        raise ValueError(f"tensor {name!r} in {path.name} has shape {tuple(entry['shape'])}; "
+                                         f"{CONFIG} says {shape}")
+                    if name in seen:
+                        raise ValueError(f"tensor {name!r} is stored twice (again in {path.name})")
+                    read_tensor(f, start, name, entry, tensors[target][row:row + shape[0]], path)
+                    seen.add(name)
+    missing = sorted(set(layout) - seen)
+    if missing:
+        raise ValueError(f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
+                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    layers = [LayerWeights(**{name: tensors[f"layers.{index}.{name}"] for name in arch.layer_tensors()})
+              for index in range(config.num_hidden_layers)]
+    embed = tensors["embed_tokens"]
+    weights = ModelWeights(embed, tensors["final_norm"], tensors.get("lm_head", embed), layers)
+    module, _, class_name = arch.rotary.rpartition(".")
+    rotary = getattr(importlib.import_module(module), class_name)(config).to(device)  # fp32, as transformers keeps it
+    return PagedLlama.from_weights(config, arch, weights, rotary, backend)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds (OSError, ValueError, TypeError, JSON errors)
+        raise ValueError(f"the tokenizer in {str(folder)!r} cannot be read ({type(error).__name__}: {error}); "
+                         f"pass tokenizer= to use another") from None
