@@ -16,57 +16,54 @@ import torch
 from tqdm.auto import tqdm
 
 from .batching import step_inputs
-from .block_manager import BlockManager, cdiv
+from .block_manager import BlockManager
+from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from .geometry import KVGeometry
 from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
-from .offload import OffloadConfig
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from .speculative import SpeculativeConfig, Speculator, resolve_draft
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
+from .speculative import Speculator, resolve_draft
 
 
 class LLMEngine:
-    def __init__(self, model: PagedLlama, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
-                 enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter,
-                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None,
-                 offload_config: OffloadConfig | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16):
+    def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
+                 clock=time.perf_counter, draft_model: PagedLlama | None = None, **settings):
+        """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
+        draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it)."""
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings:
+            raise ValueError(f"give config or its settings ({', '.join(sorted(settings))}), not both")
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks = pool_blocks(model, config.kv_cache_memory, config.block_size)
+        self.config = config = config.for_model(model.max_position, model.embed_tokens.shape[0],
+                                                eos_token_ids(model.config), num_blocks)
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
         self.device = model.device
-        self.max_model_len = model.max_position
-        if num_blocks is None:
-            num_blocks = pool_blocks(model, kv_cache_memory, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
-        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = config.eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, config.block_size,
                                 dtype=model.dtype, device=self.device)
-        self.swap_space, self.prefix_tier = (offload_config or OffloadConfig()).build(self.block_manager,
-                                                                                      self.kv_cache)  # guide §15
-        self.lora = LoRAManager(model, max_loras, max_lora_rank) if enable_lora else None  # guide §16
-        self.eos_token_ids = eos_token_ids(model.config)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                   self.swap_space, self.prefix_tier,
-                                   max_loras=self.lora.max_loras if self.lora is not None else None,
-                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-                                   device=self.device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.swap_space, self.prefix_tier = config.offload.build(self.block_manager, self.kv_cache)  # guide §15
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._kv_written = False  # within a step: K/V tensors have been written (transaction)
         self.num_steps = 0
         self.last_schedule = None
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
-        self.speculator = None if speculative_config is None else \
-            Speculator(speculative_config, draft_model, num_blocks, block_size)  # guide §14
+        self.speculator = None if config.speculative is None else \
+            Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -78,26 +75,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         text = prompt if isinstance(prompt, str) else None
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        vocab = self.model.embed_tokens.shape[0]
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary size)")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model holds at most {self.max_model_len} "
-                             f"(max_model_len) including at least one new token")
-        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if cdiv(longest, self.block_manager.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {longest} tokens "
-                             f"can never fit the KV pool of {capacity} tokens ({self.block_manager.num_blocks} blocks "
-                             f"of {self.block_manager.block_size}); raise num_blocks or lower max_tokens")
-        if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.scheduler.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({self.scheduler.max_num_batched_tokens}); raise it or enable_chunked_prefill=True")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) is more than max_num_seqs ({self.scheduler.max_num_seqs}): a request's "
-                             f"completions run together; raise max_num_seqs or lower n")
+        self.config.check_prompt(token_ids, params.max_tokens, params.n)
         if request_id is None:
             request_id = self._next_request_id()
         elif not isinstance(request_id, str):
@@ -406,13 +384,14 @@ class LLM:
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0,
                  speculative_config: dict | None = None, swap_space: float = 1.0,
                  kv_offloading_size: float | None = None, kv_offload_dir: str | None = None,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16):
-        offload_config = OffloadConfig.from_args(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir,
-                                                 enable_prefix_caching)  # guide §15
-        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 config: EngineConfig | None = None):
+        """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords."""
+        arguments = locals()
+        config = config or EngineConfig(**{name: arguments[name] for name in SETTINGS})  # checks them all
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        torch.manual_seed(seed)
+        torch.manual_seed(config.seed)
         if isinstance(model, str) and model == "smollm2":
             from .models import load_hf_model
             hf_model, tokenizer = load_hf_model(dtype=dtype, device=device)
@@ -424,15 +403,9 @@ class LLM:
         backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
         target = PagedLlama(hf_model, backend)
         draft = None
-        if spec_config is not None and spec_config.method == "draft_model":
-            draft = resolve_draft(spec_config, target, hf_model, backend, bundled_target=isinstance(model, str))
-        self.engine = LLMEngine(target, tokenizer, block_size=block_size,
-                                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                speculative_config=spec_config, draft_model=draft, offload_config=offload_config,
-                                enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            draft = resolve_draft(config.speculative, target, hf_model, backend, bundled_target=isinstance(model, str))
+        self.engine = LLMEngine(target, tokenizer, config, draft_model=draft)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import AllocStatus, BlockManager
-from .inputs import integer
+from .config import EngineConfig
 from .sequence import Request, Sequence, SequenceStatus
 
 
@@ -56,20 +56,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False, swap_space=None, prefix_tier=None,
-                 max_loras: int | None = None, max_model_len: int | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), device: torch.device | str = "cpu"):
-        max_num_seqs = integer("max_num_seqs", max_num_seqs, low=1)
-        max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens, low=1)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}), or some running sequences could never be scheduled")
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_space=None, prefix_tier=None,
+                 device: torch.device | str = "cpu"):
+        """config: the limits (EngineConfig, checked when it was made); swap_space, prefix_tier: offload.py's."""
+        self.config = config
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_loras = max_loras  # distinct adapters the running sequences may use at once; None: no LoRA
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_loras = config.max_loras if config.enable_lora else None  # distinct adapters at once; None: no LoRA
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks in swap_space (offload.SwapSpace)
@@ -78,8 +73,6 @@ class Scheduler:
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
         self.prefix_query_tokens = 0   # prompt tokens admitted
         self.num_preemptions = 0
-        self.max_model_len = max_model_len       # a sequence stops at this many tokens (None: no limit)
-        self.eos_token_ids = eos_token_ids       # a sequence stops after one of these, unless ignore_eos
         self.device = torch.device(device)       # where seeded sequences' sampling generators live
         self.next_seq_id = 0
 
@@ -347,10 +340,10 @@ class Scheduler:
         """Whether seq, which just appended token, is done: "stop" at EOS or a stop token, "length" at max_tokens
         or the model's length."""
         params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or \
-                (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+                (self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len):
             seq.finish_reason = "length"
         else:
             return False

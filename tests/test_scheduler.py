@@ -3,9 +3,12 @@ applies what a forward pass and a sampler produced. The tokens here are made up;
 state (computed tokens, tokens, status), the block tables and the pool's free blocks.
 """
 
+import pickle
+
 import pytest
 
 from paged.block_manager import BlockManager
+from paged.config import EngineConfig
 from paged.sampling import SamplingParams
 from paged.scheduler import Scheduler
 from paged.sequence import Request, RequestMetrics, SequenceStatus
@@ -13,9 +16,13 @@ from paged.sequence import Request, RequestMetrics, SequenceStatus
 EOS = 2
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, **kwargs) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens,
-                     max_model_len=kwargs.pop("max_model_len", 64), eos_token_ids=frozenset([EOS]), **kwargs)
+def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                   **settings) -> Scheduler:
+    """A scheduler for a model of max_model_len positions whose end-of-sequence token is EOS."""
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                          vocab_size=100, eos_token_ids=[EOS], **settings)
+    return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
 def add(scheduler: Scheduler, prompt: list[int], request_id: str = "0", **params) -> Request:
@@ -167,7 +174,23 @@ def test_a_checkpoint_restores_queues_and_the_next_sequence_id():
     assert len(scheduler.waiting) == 1 and scheduler.next_seq_id == 1
 
 
-@pytest.mark.parametrize("bad", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 2, "max_num_seqs": 4}])
-def test_bad_limits_are_refused(bad):
-    with pytest.raises(ValueError, match="max_num"):
+@pytest.mark.parametrize("bad, match", [({"max_num_seqs": 0}, "max_num_seqs"),
+                                        ({"max_num_batched_tokens": 2, "max_num_seqs": 4}, "max_num_batched_tokens"),
+                                        ({"block_size": 12}, "power of two"), ({"num_blocks": 0}, "num_blocks"),
+                                        ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
+                                        ({"preemption_mode": "drop"}, "preemption_mode"),
+                                        ({"speculative_config": {"method": "magic"}}, "speculative_config")])
+def test_bad_settings_are_refused_when_the_config_is_made(bad, match):
+    with pytest.raises(ValueError, match=match):
         make_scheduler(**bad)
+
+
+def test_a_config_pickles_and_checks_prompts_against_the_model_and_the_pool():
+    config = pickle.loads(pickle.dumps(EngineConfig(block_size=4, num_blocks=8, max_num_batched_tokens=16,
+                                                    max_num_seqs=2, max_model_len=64, vocab_size=100)))
+    config.check_prompt([1] * 16, max_tokens=16, n=2)                  # 32 tokens: the whole pool
+    for token_ids, max_tokens, n, match in [([], 1, 1, "empty"), ([100], 1, 1, "vocabulary"),
+                                            ([1] * 64, 1, 1, "max_model_len"), ([1] * 16, 17, 1, "KV pool"),
+                                            ([1] * 17, 1, 1, "max_num_batched_tokens"), ([1], 1, 3, "max_num_seqs")]:
+        with pytest.raises(ValueError, match=match):
+            config.check_prompt(token_ids, max_tokens, n)
