@@ -4,15 +4,45 @@ the block tables that attention reads.
 A chunk is `(seq_id, token_ids, start, end, num_logits)`: tokens start..end-1 of a sequence are computed now, and
 the logits of its last num_logits of them are wanted (1 to sample the next token, k + 1 to verify k speculative
 tokens, 0 for a prompt chunk that does not reach the end). Single-token chunks come first, as AttentionMetadata
-describes; the caller orders them so. The engine and a draft model (`speculative.py`) both build their steps here,
-each over its own block manager.
+describes; the caller orders them so (the scheduler's `plan.batch` is in that order) and prepare_inputs checks it.
+The engine (`step_inputs`, from a scheduler's plan) and a draft model (`speculative.py`) both build their steps
+here, each over its own block manager.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .block_manager import BlockManager
 from .model import AttentionMetadata
+from .sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    """A step's forward-pass inputs, and the sequences whose next token is due with the first of their logits
+    rows: one row, or 1 + k for a sequence verifying k drafts."""
+    input_ids: torch.Tensor           # int64 [num_tokens]
+    positions: torch.Tensor           # int64 [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor      # int64 [num_rows]
+    sampled: list[tuple[Sequence, int]]  # (sequence, its first row), in row order
+
+
+def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], device: torch.device) -> StepInputs:
+    """batch [(sequence, new tokens)] in the forward pass's order -> the step's inputs. A sequence's chunk runs
+    from its computed tokens on; one that reaches its last token (and its drafts) wants logits for each."""
+    chunks, sampled, num_rows = [], [], 0
+    for seq, num_new in batch:
+        tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+        end = seq.num_computed_tokens + num_new
+        num_logits = 1 + len(seq.spec_token_ids) if end == len(tokens) else 0
+        chunks.append((seq.seq_id, tokens, seq.num_computed_tokens, end, num_logits))
+        if num_logits:
+            sampled.append((seq, num_rows))
+            num_rows += num_logits
+    return StepInputs(*prepare_inputs(block_manager, chunks, device), sampled)
 
 
 def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int], int, int, int]],
@@ -29,6 +59,8 @@ def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int
         query_lens.append(end - start)
         logits_indices += range(len(input_ids) - num_logits, len(input_ids))
     num_decodes = sum(1 for n in query_lens if n == 1)
+    if query_lens[:num_decodes] != [1] * num_decodes:
+        raise ValueError(f"chunks must put single-token decodes first (query lengths {query_lens})")
 
     def table_tensor(rows):  # int32 [len(rows), longest row], padded with block 0
         width = max((len(r) for r in rows), default=0)

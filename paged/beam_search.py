@@ -108,9 +108,10 @@ def _step(engine, requests, live, done, usage, limit_of, beam_width) -> None:
         raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
     for request in requests:
         _record_usage(engine, live[request.request_id], usage[request.request_id])
-    sampled, logits = engine.execute(plan)
+    logits, sampled = engine.execute(plan)
+    engine.scheduler.update_from_output(plan, [])                  # the beams' K/V are computed; tokens come below
     logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
-    row_of = {seq.seq_id: row for row, seq in enumerate(sampled)}
+    row_of = {seq.seq_id: row for seq, row in sampled}
     for request in requests:
         beams = live[request.request_id]
         if not beams or beams[0][0].seq_id not in row_of:
@@ -138,7 +139,7 @@ def _advance(engine, beams, continuing) -> list[tuple[Sequence, float]]:
     children: dict[int, list[tuple[Sequence, int, float]]] = {}
     for score, parent, tok in continuing:
         siblings = children.setdefault(parent.seq_id, [])
-        sequence = parent if not siblings else engine.fork(parent)
+        sequence = parent if not siblings else engine.scheduler.fork(parent)
         siblings.append((sequence, tok, score))
     _release(engine, [seq for seq, _ in beams if seq.seq_id not in children])
     new_beams = []

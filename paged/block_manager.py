@@ -28,7 +28,7 @@ import hashlib
 import pickle
 from dataclasses import dataclass, field
 
-from .inputs import integer
+from .inputs import block_size_of, integer
 
 
 def canonical_extra_key(extra_key):
@@ -133,9 +133,7 @@ class BlockManager:
     hash_function = staticmethod(hash_block_tokens)  # (parent hash, token ids, extra key) -> a block's hash
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        block_size = integer("block_size", block_size, low=1)
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+        block_size = block_size_of(block_size)
         num_blocks = integer("num_blocks", num_blocks, low=1)
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -47,14 +47,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from .block_manager import AllocStatus, BlockManager, cdiv
+from .block_manager import AllocStatus, cdiv
+from .config import SETTINGS, EngineConfig
 from .geometry import KVGeometry
-from .inputs import as_prompt_list, integer, prompt_token_ids, real
+from .inputs import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 from .model import ATTENTION_BACKENDS, check_model
-from .offload import OffloadConfig
 from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .speculative import SpeculativeConfig
 from .sequence import Request, RequestMetrics, RequestOutput
 
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -106,39 +104,33 @@ def kv_digest(kv: torch.Tensor) -> str:
 
 # ---- the workers (each in its own process) -------------------------------------------------------------------------
 
-def _build_llm(model_spec, device, block_size, engine_args):
+def _build_llm(model_spec, device, config: EngineConfig, model_args: dict):
     from .engine import LLM
     if model_spec == "smollm2":
         model = "smollm2"
     else:
         from transformers import AutoModelForCausalLM
-        config, state_dict = model_spec
-        model = AutoModelForCausalLM.from_config(config)
+        hf_config, state_dict = model_spec
+        model = AutoModelForCausalLM.from_config(hf_config)
         model.load_state_dict(state_dict)
-    return LLM(model=model, block_size=block_size, device=device, **engine_args)
+    return LLM(model=model, device=device, config=config, **model_args)
 
 
-def _worker_main(role, model_spec, block_size, engine_args, device, port, num_threads, verify,
-                 caller_conn, peer_conn):
+def _worker_main(role, model_spec, config, model_args, device, port, num_threads, verify, caller_conn, peer_conn):
     """Entry point of both workers: build the engine, join the process group, serve until told to stop."""
     try:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))
-        llm = _build_llm(model_spec, device, block_size, engine_args)
+        llm = _build_llm(model_spec, device, config, model_args)
         backend = "nccl" if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
         # A send may wait long for a crowded decode pool to make room; liveness is the caller's watch, not this.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                 rank=PREFILL_RANK if role == "prefill" else DECODE_RANK, world_size=2,
                                 timeout=timedelta(days=1))
         engine = llm.engine
-        caller_conn.send(("ready", {"num_blocks": engine.block_manager.num_blocks,
-                                    "max_model_len": engine.max_model_len,
-                                    "vocab_size": engine.model.embed_tokens.shape[0],
-                                    "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-                                    "enable_chunked_prefill": engine.scheduler.enable_chunked_prefill,
-                                    "max_num_seqs": engine.scheduler.max_num_seqs}))
+        caller_conn.send(("ready", engine.config))  # completed with the model's limits and the pool's size
         worker = PrefillWorker if role == "prefill" else DecodeWorker
         worker(engine, caller_conn, peer_conn, backend, verify).serve()
         dist.destroy_process_group()
@@ -302,42 +294,37 @@ def _model_spec(model):
                      f"got {model!r}")
 
 
-def check_engine_args(config, block_size: int, device: torch.device, engine_args: dict) -> None:
+def check_engine_args(config, block_size: int, device: torch.device, engine_args: dict) -> tuple[EngineConfig, dict]:
     """Make, in the caller, every check the workers' engines would make on engine_args that needs no engine, so that
-    a bad argument is a ValueError naming it before any worker is spawned. config: the model's (a LlamaConfig)."""
+    a bad argument is a ValueError naming it before any worker is spawned. config: the model's (a LlamaConfig).
+    Returns the engines' EngineConfig and the arguments that build the model (dtype, attention_backend)."""
     from .engine import LLM, pool_blocks
     parameters = inspect.signature(LLM).parameters
-    taken = {"model", "tokenizer", "block_size", "device"}  # DisaggregatedLLM's own arguments
+    taken = {"model", "tokenizer", "block_size", "device", "config"}  # DisaggregatedLLM's own arguments
     for name in engine_args:
         if name not in parameters or name in taken:
             raise ValueError(f"{name!r} is not an engine argument of DisaggregatedLLM; engine_args may be "
                              f"{', '.join(sorted(parameters.keys() - taken))}")
-    args = {name: parameter.default for name, parameter in parameters.items()} | engine_args
-    if args["preemption_mode"] != "recompute":
-        raise ValueError(f"preemption_mode {args['preemption_mode']!r} is not available for DisaggregatedLLM; "
+    settings = EngineConfig(block_size=block_size, **{k: v for k, v in engine_args.items() if k in SETTINGS})
+    if settings.preemption_mode != "recompute":
+        raise ValueError(f"preemption_mode {settings.preemption_mode!r} is not available for DisaggregatedLLM; "
                          f"use 'recompute'")
-    if args["enable_lora"]:
+    if settings.enable_lora:
         raise ValueError("enable_lora is not available for DisaggregatedLLM: its generate() takes no lora_request")
-    offload = OffloadConfig.from_args(args["preemption_mode"], args["swap_space"], args["kv_offloading_size"],
-                                      args["kv_offload_dir"], args["enable_prefix_caching"])
-    if args["speculative_config"] is not None:
-        SpeculativeConfig.from_dict(args["speculative_config"])
-    dtype = args["dtype"]
+    model_args = {k: v for k, v in engine_args.items() if k not in SETTINGS}
+    dtype = model_args.get("dtype")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    backend = args["attention_backend"]
+    backend = model_args.get("attention_backend")
     if backend is not None and backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {backend!r}")
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the workers run on {device}")
-    integer("seed", args["seed"])
-    Scheduler(BlockManager(1, block_size), args["max_num_seqs"], args["max_num_batched_tokens"])
-    if args["num_blocks"] is None:  # the pool must hold a block of this model (pool_blocks reads config and dtype)
-        pool_blocks(SimpleNamespace(config=config, dtype=dtype), args["kv_cache_memory"], block_size)
-    else:
-        integer("num_blocks", args["num_blocks"], low=1)
-    offload.check_blocks(KVGeometry.from_config(config, dtype).block_bytes(block_size))
+    if settings.num_blocks is None:  # the pool must hold a block of this model (pool_blocks reads config and dtype)
+        pool_blocks(SimpleNamespace(config=config, dtype=dtype), settings.kv_cache_memory, block_size)
+    settings.offload.check_blocks(KVGeometry.from_config(config, dtype).block_bytes(block_size))
+    return settings, model_args
 
 
 def _stop_process(process, grace_s: float) -> None:
@@ -368,9 +355,7 @@ class DisaggregatedLLM:
                 raise ValueError(f"{name} must be > 0 seconds, got {seconds}")
         if num_threads is not None:
             num_threads = integer("num_threads", num_threads, low=1)
-        block_size = integer("block_size", block_size, low=1)
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+        block_size = block_size_of(block_size)
         spec = _model_spec(model)
         devices = self._devices(device)
         if spec == "smollm2":
@@ -379,9 +364,8 @@ class DisaggregatedLLM:
             config = AutoConfig.from_pretrained(convert_gguf_to_cache())
         else:
             config = spec[0]
-        check_engine_args(config, block_size, torch.device(devices["prefill"]), engine_args)
+        settings, model_args = check_engine_args(config, block_size, torch.device(devices["prefill"]), engine_args)
         self.timeout = timeout
-        self.block_size = block_size
         self.tokenizer = tokenizer
         if spec == "smollm2" and tokenizer is None:
             from transformers import AutoTokenizer
@@ -396,7 +380,7 @@ class DisaggregatedLLM:
         for role, peer in (("prefill", peer_prefill), ("decode", peer_decode)):
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker_main, name=f"paged-{role}-worker", daemon=True,
-                                      args=(role, spec, block_size, engine_args, devices[role], port, num_threads,
+                                      args=(role, spec, settings, model_args, devices[role], port, num_threads,
                                             verify_transfers, theirs, peer))
             self._processes[role], self._conns[role] = process, ours
         for process in self._processes.values():
@@ -405,7 +389,7 @@ class DisaggregatedLLM:
                                           self._grace_s)
         peer_prefill.close(), peer_decode.close()
         try:
-            self.limits = self._wait_ready(startup_timeout)
+            self.configs = self._wait_ready(startup_timeout)
         except BaseException:
             self._abort()
             raise
@@ -421,19 +405,19 @@ class DisaggregatedLLM:
     def pids(self) -> dict[str, int]:
         return {role: process.pid for role, process in self._processes.items()}
 
-    def _wait_ready(self, timeout: float) -> dict[str, dict]:
-        """Each worker's limits, as it says it is ready. Both are watched from the start: the first to die or
-        raise is named at once, whichever it is (a worker waits for its peer to join before it is ready, so one
-        that dies leaves the other waiting, silent)."""
-        limits, deadline = {}, time.monotonic() + timeout
-        while len(limits) < 2:
+    def _wait_ready(self, timeout: float) -> dict[str, EngineConfig]:
+        """Each worker's EngineConfig, with its model's limits and its pool's size, as it says it is ready. Both
+        are watched from the start: the first to die or raise is named at once, whichever it is (a worker waits
+        for its peer to join before it is ready, so one that dies leaves the other waiting, silent)."""
+        configs, deadline = {}, time.monotonic() + timeout
+        while len(configs) < 2:
             role, kind, payload = self._next_message(("prefill", "decode"), max(deadline - time.monotonic(), 0),
                                                      "startup_timeout")
             if kind != "ready":
                 self._abort()
                 raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
-            limits[role] = payload
-        return limits
+            configs[role] = payload
+        return configs
 
     def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None,
                       timeout_name: str = "timeout") -> tuple:
@@ -517,30 +501,15 @@ class DisaggregatedLLM:
         return [done[request_id] for request_id, *_ in batch]
 
     def _checked(self, prompt, params) -> tuple:
-        """One request as the prefill worker takes it, after every check the engines would make."""
+        """One request as the prefill worker takes it, after the checks of both workers' configs: the prefill
+        worker runs the prompt and samples one token, the decode worker holds it to its last token."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:
             raise ValueError(f"n must be 1 for DisaggregatedLLM (one completion per request), got {params.n}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        limits = self.limits["prefill"]
-        if not all(0 <= t < limits["vocab_size"] for t in token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {limits['vocab_size']}) (the model's vocabulary size)")
-        if len(token_ids) >= limits["max_model_len"]:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model holds at most {limits['max_model_len']} "
-                             f"(max_model_len) including at least one new token")
-        if not limits["enable_chunked_prefill"] and len(token_ids) > limits["max_num_batched_tokens"]:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({limits['max_num_batched_tokens']}); raise it or enable_chunked_prefill=True")
-        longest = min(len(token_ids) + params.max_tokens, limits["max_model_len"])
-        for role, needed in (("prefill", len(token_ids)), ("decode", longest)):
-            num_blocks = self.limits[role]["num_blocks"]
-            if cdiv(needed, self.block_size) > num_blocks:
-                raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                                 f"{needed} tokens in the {role} worker's KV pool of {num_blocks} blocks of "
-                                 f"{self.block_size}; raise num_blocks or lower max_tokens")
+        self.configs["prefill"].check_prompt(token_ids, 1, pool="the prefill worker's KV pool")
+        self.configs["decode"].check_prompt(token_ids, params.max_tokens, pool="the decode worker's KV pool")
         request_id = str(self._request_counter)
         self._request_counter += 1
         return request_id, prompt if isinstance(prompt, str) else None, token_ids, params, time.perf_counter()

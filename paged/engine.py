@@ -1,4 +1,4 @@
-"""The engine (guide §11): `LLMEngine.step()` = schedule -> execute -> sample, and the `LLM` facade on top.
+"""The engine (guide §11, §17): `LLMEngine.step()` = schedule -> execute -> sample -> update, and the `LLM` facade.
 
     engine = LLMEngine(...); engine.add_request(prompt, params); while engine.has_unfinished_requests(): engine.step()
 
@@ -15,58 +15,56 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .batching import prepare_inputs
-from .block_manager import BlockManager, cdiv
+from .batching import step_inputs
+from .block_manager import BlockManager
+from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from .geometry import KVGeometry
 from .inputs import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
 from .models import load_model
-from .offload import OffloadConfig
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
-from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
-from .speculative import SpeculativeConfig, Speculator, resolve_draft
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
+from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from .speculative import Speculator, resolve_draft
 
 
 class LLMEngine:
-    def __init__(self, model: PagedLlama, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = False,
-                 enable_prefix_caching: bool = False, seed: int = 0, clock=time.perf_counter,
-                 speculative_config: SpeculativeConfig | None = None, draft_model: PagedLlama | None = None,
-                 offload_config: OffloadConfig | None = None, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16):
+    def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
+                 clock=time.perf_counter, draft_model: PagedLlama | None = None, **settings):
+        """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
+        draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it)."""
+        if config is None:
+            config = EngineConfig(**settings)
+        elif settings:
+            raise ValueError(f"give config or its settings ({', '.join(sorted(settings))}), not both")
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks = pool_blocks(model, config.kv_cache_memory, config.block_size)
+        self.config = config = config.for_model(model.max_position, model.embed_tokens.shape[0],
+                                                eos_token_ids(model.config), num_blocks)
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.tokenizer = tokenizer
         self.device = model.device
-        self.max_model_len = model.max_position
-        if num_blocks is None:
-            num_blocks = pool_blocks(model, kv_cache_memory, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)  # validates both sizes
-        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = config.eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, config.block_size,
                                 dtype=model.dtype, device=self.device)
-        self.swap_space, self.prefix_tier = (offload_config or OffloadConfig()).build(self.block_manager,
-                                                                                      self.kv_cache)  # guide §15
-        self.lora = LoRAManager(model, max_loras, max_lora_rank) if enable_lora else None  # guide §16
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                   self.swap_space, self.prefix_tier,
-                                   max_loras=self.lora.max_loras if self.lora is not None else None)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.eos_token_ids = eos_token_ids(model.config)
+        self.swap_space, self.prefix_tier = config.offload.build(self.block_manager, self.kv_cache)  # guide §15
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self._next_seq_id = 0
         self._kv_written = False  # within a step: K/V tensors have been written (transaction)
         self.num_steps = 0
         self.last_schedule = None
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
-        self.speculator = None if speculative_config is None else \
-            Speculator(speculative_config, draft_model, num_blocks, block_size)  # guide §14
+        self.speculator = None if config.speculative is None else \
+            Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -78,26 +76,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         text = prompt if isinstance(prompt, str) else None
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        vocab = self.model.embed_tokens.shape[0]
-        if not all(0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}) (the model's vocabulary size)")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model holds at most {self.max_model_len} "
-                             f"(max_model_len) including at least one new token")
-        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if cdiv(longest, self.block_manager.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {longest} tokens "
-                             f"can never fit the KV pool of {capacity} tokens ({self.block_manager.num_blocks} blocks "
-                             f"of {self.block_manager.block_size}); raise num_blocks or lower max_tokens")
-        if not self.scheduler.enable_chunked_prefill and len(token_ids) > self.scheduler.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({self.scheduler.max_num_batched_tokens}); raise it or enable_chunked_prefill=True")
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) is more than max_num_seqs ({self.scheduler.max_num_seqs}): a request's "
-                             f"completions run together; raise max_num_seqs or lower n")
+        self.config.check_prompt(token_ids, params.max_tokens, params.n)
         if request_id is None:
             request_id = self._next_request_id()
         elif not isinstance(request_id, str):
@@ -124,7 +103,7 @@ class LLMEngine:
         if request.request_id in self.requests or request.seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in use (or the request was added "
                              f"before); make a new request")
-        self.scheduler.add(self._new_sequence(request))
+        self.scheduler.add_request(request)
         self.requests[request.request_id] = request
         return request.request_id
 
@@ -138,35 +117,9 @@ class LLMEngine:
                              f"before); make a new request")
         if request.params.n != 1:
             raise ValueError(f"n must be 1 for a prefilled request, got {request.params.n}")
-        seq = self._new_sequence(request)
-        block_ids = list(self.block_manager.allocate(seq.seq_id, seq.num_tokens))
-        seq.num_computed_tokens = seq.num_tokens
-        seq.token_ids.append(first_token)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
+        block_ids = self.scheduler.add_prefilled_request(request, first_token)
         self.requests[request.request_id] = request
         return block_ids
-
-    def _new_sequence(self, request: Request) -> Sequence:
-        index = len(request.seqs)
-        generator = None
-        if request.params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
-        seq = Sequence(self._next_seq_id, request, index, generator)
-        self._next_seq_id += 1
-        request.seqs.append(seq)
-        return seq
-
-    def fork(self, parent: Sequence) -> Sequence:
-        """A running copy of parent's accepted state that shares its blocks; the first write to a shared block
-        copies it. Parent may be verifying drafts in this step: the copy has its tokens and their K/V only."""
-        child = self._new_sequence(parent.request)
-        child.token_ids = list(parent.token_ids)
-        child.num_computed_tokens = parent.num_computed_tokens - len(parent.spec_token_ids)
-        child.status = SequenceStatus.RUNNING
-        self.block_manager.fork(parent.seq_id, child.seq_id, child.num_computed_tokens)
-        self.scheduler.running.append(child)
-        return child
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool at once. An unknown or finished id is ignored."""
@@ -204,29 +157,12 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not place any waiting sequence (a bug: requests are "
                                    "validated to fit the pool)")
             return []
-        sampled_seqs, logits = self.execute(plan)
-        first_rows = [0]  # a sequence's logits rows: one, or 1 + k to verify k drafts
-        for seq in sampled_seqs:
-            first_rows.append(first_rows[-1] + 1 + len(seq.spec_token_ids))
-        rows = first_rows[:-1]
-        for row, seq in zip(list(rows), list(sampled_seqs)):
-            while len(seq.request.seqs) < seq.params.n:  # the prompt is done: fork the other completions
-                sampled_seqs.append(self.fork(seq))
-                rows.append(row)
-        new_tokens = self._sample(sampled_seqs, logits, rows)
-        now = self.clock()
-        finished = []
-        for seq, tokens in zip(sampled_seqs, new_tokens):
-            if seq.spec_token_ids:
-                self._accept(seq, tokens)
-            seq.request.metrics.first_token_time = seq.request.metrics.first_token_time or now
-            for token in tokens:
-                seq.token_ids.append(token)
-                seq.request.metrics.token_times.append(now)
-                if self._check_stop(seq, token):
-                    finished.append(seq)
-                    break
-        self.scheduler.finish(finished)
+        logits, sampled = self.execute(plan)
+        row_of = {seq.seq_id: row for seq, row in sampled}
+        sampled += [(child, row_of[parent.seq_id]) for parent, child in plan.forks]  # forks sample from its row
+        tokens = self._sample(sampled, logits)
+        finished = self.scheduler.update_from_output(plan, list(zip([seq for seq, _ in sampled], tokens)),
+                                                     now=self.clock())
         self._release_drafts()
         return [self._finish_request(request) for request in {seq.request.request_id: seq.request
                                                               for seq in finished}.values()
@@ -261,8 +197,7 @@ class LLMEngine:
                                                self.lora.slots.num_evictions)
         touched = {seq.request.request_id: seq.request for seq in self.scheduler.may_change()}
         return (dict(self.requests), [(request, request.checkpoint()) for request in touched.values()],
-                self.scheduler.checkpoint(), self.generator.get_state(), self.num_steps, self.last_schedule,
-                self._next_seq_id, lora)
+                self.scheduler.checkpoint(), self.generator.get_state(), self.num_steps, self.last_schedule, lora)
 
     def _commit(self) -> None:
         self.block_manager.commit()
@@ -272,7 +207,7 @@ class LLMEngine:
 
     def _rollback(self, saved: tuple) -> None:
         self.requests, request_states, scheduler_state, generator_state, self.num_steps, self.last_schedule, \
-            self._next_seq_id, lora = saved
+            lora = saved
         for request, state in request_states:
             request.restore(state)
         lost = set(self.block_manager.rollback(self._kv_written))  # sequences whose K/V the step overwrote
@@ -299,34 +234,28 @@ class LLMEngine:
         self.lora.num_steps, slots.last_used, slots.num_loads, slots.num_evictions = \
             num_steps, last_used, num_loads, num_evictions
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> list[list[int]]:
-        """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts
-        over its rows rows[i]..rows[i] + k. Changes no sequence, so a failure here leaves the step to redo."""
-        plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
-        tokens = [None] * len(seqs)
+    def _sample(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts over
+        its rows row..row + k. Changes no sequence (the scheduler's update does), only the generators' states."""
+        plain = [i for i, (seq, _) in enumerate(sampled) if not seq.spec_token_ids]
+        tokens = [None] * len(sampled)
         if plain:
-            plain_rows = [rows[i] for i in plain]
+            plain_rows = [sampled[i][1] for i in plain]
             if plain_rows != list(range(logits.shape[0])):  # forks share their parent's row; verifies take k + 1
                 logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
             else:
                 logits_plain = logits
-            picked = sample(logits_plain, [seqs[i].params for i in plain], [seqs[i].generator for i in plain],
+            seqs = [sampled[i][0] for i in plain]
+            picked = sample(logits_plain, [seq.params for seq in seqs], [seq.generator for seq in seqs],
                             self.generator)
             for i, token in zip(plain, picked):
                 tokens[i] = [token]
-        for i, seq in enumerate(seqs):
+        for i, (seq, row) in enumerate(sampled):
             if seq.spec_token_ids:
-                verify_rows = logits[rows[i]:rows[i] + 1 + len(seq.spec_token_ids)]   # [1 + k, vocab]
-                tokens[i] = self.speculator.verify(seq, verify_rows, self.generator)
+                tokens[i] = self.speculator.verify(seq, logits[row:row + 1 + len(seq.spec_token_ids)],  # [1 + k, vocab]
+                                                   self.generator)
+                self.speculator.record(seq, tokens[i])
         return tokens
-
-    def _accept(self, seq: Sequence, tokens: list[int]) -> None:
-        """seq verified its drafts and appends tokens (the accepted drafts and one more): it rolls back over the
-        rejected drafts, whose K/V stay in the pool unread until overwritten, and blocks holding only those go."""
-        self.speculator.record(seq, tokens)
-        seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
-        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
-        seq.spec_token_ids, seq.spec_draft_probs = [], None
 
     def _release_drafts(self) -> None:
         if self.speculator is not None:
@@ -339,58 +268,42 @@ class LLMEngine:
                     "num_accepted_tokens_per_pos": []}
         return self.speculator.stats()
 
-    def execute(self, plan) -> tuple[list[Sequence], torch.Tensor]:
-        """Run the scheduled tokens through the model. Returns the sequences whose next token is due and their
-        logits [rows, vocab]: one row per sequence, or 1 + k for one verifying k drafts, in order; the caller
-        samples (step) or searches (beam_search), inside a transaction that undoes the step if anything fails."""
+    def execute(self, plan) -> tuple[torch.Tensor, list[tuple[Sequence, int]]]:
+        """Run the scheduled tokens through the model. Returns the logits [rows, vocab] and the sequences whose
+        next token is due, each with its first row (one row, or 1 + k to verify k drafts), in row order; the
+        caller samples (step) or searches (beam_search), then hands the result to the scheduler's update, inside
+        a transaction that undoes the step if anything fails. Changes no sequence."""
         self.num_steps += 1
         for observe in self.forward_observers:  # the tables are as this step uses them, copies made or queued
             observe(plan)
         now = self.clock()
         for seq, _ in plan.scheduled:
             seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
-        # Single-token decodes first, then prefill chunks: the layout AttentionMetadata describes.
-        batch = [item for item in plan.scheduled if item[1] == 1] + [item for item in plan.scheduled if item[1] > 1]
         lora_batch = None
-        if self.lora is not None:  # each adapter's tokens side by side, its adapter in a slot (guide §16)
-            batch, lora_batch = self.lora.prepare_step(batch, self.scheduler.running)
-        chunks, sampled_seqs = [], []
-        for seq, num_new in batch:
-            tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
-            end = seq.num_computed_tokens + num_new
-            reaches_end = end == len(tokens)  # the chunk reaches the last token: sample (or verify) what follows
-            chunks.append((seq.seq_id, tokens, seq.num_computed_tokens, end,
-                           1 + len(seq.spec_token_ids) if reaches_end else 0))
-            if reaches_end:
-                sampled_seqs.append(seq)
-        input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.device)
+        if self.lora is not None:  # the adapters of plan.batch made resident (guide §16)
+            _, lora_batch = self.lora.prepare_step(plan.batch, self.scheduler.running)
+        inputs = step_inputs(self.block_manager, plan.batch, self.device)
         self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
-        if plan.blocks_to_swap_out:  # first the reads of blocks freed this step, then the writes (guide §15)
+        self.apply_copies(plan)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                                    inputs.logits_indices, lora=lora_batch)
+        if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
+            self.prefix_tier.store(plan.cached_blocks)
+        return logits, inputs.sampled
+
+    def apply_copies(self, plan) -> None:
+        """The block copies the plan names, in the order they must happen (guide §15): first the reads of blocks
+        freed this step (swap-out), then copy-on-write's private copies of shared blocks, then the writes of
+        blocks coming back (swap-in, prefix-tier loads); all before the forward pass writes or reads any K/V."""
+        if plan.blocks_to_swap_out:
             self.swap_space.tier.save(plan.blocks_to_swap_out)
-        if plan.blocks_to_copy:  # copy-on-write: private copies of shared blocks, before anyone writes
+        if plan.blocks_to_copy:
             sources, targets = zip(*plan.blocks_to_copy)
             self.kv_cache.copy_blocks(list(sources), list(targets))
         if plan.blocks_to_swap_in:
             self.swap_space.tier.load(plan.blocks_to_swap_in)
         if plan.blocks_to_load:
             self.prefix_tier.tier.load(plan.blocks_to_load)
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices, lora=lora_batch)
-        for seq, num_new in batch:
-            seq.num_computed_tokens += num_new
-        if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
-            self.prefix_tier.store(plan.cached_blocks)
-        return sampled_seqs, logits
-
-    def _check_stop(self, seq: Sequence, token: int) -> bool:
-        params = seq.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        else:
-            return False
-        seq.status = SequenceStatus.FINISHED
-        return True
 
     def _finish_request(self, request: Request) -> RequestOutput:
         request.metrics.finished_time = self.clock()
@@ -474,24 +387,19 @@ class LLM:
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0,
                  speculative_config: dict | None = None, swap_space: float = 1.0,
                  kv_offloading_size: float | None = None, kv_offload_dir: str | None = None,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16):
-        offload_config = OffloadConfig.from_args(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir,
-                                                 enable_prefix_caching)  # guide §15
-        spec_config = None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config)
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 config: EngineConfig | None = None):
+        """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords."""
+        arguments = locals()
+        config = config or EngineConfig(**{name: arguments[name] for name in SETTINGS})  # checks them all
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        torch.manual_seed(seed)
+        torch.manual_seed(config.seed)
         backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
         target, tokenizer = load_model(model, tokenizer, device, dtype, backend)
         draft = None
-        if spec_config is not None and spec_config.method == "draft_model":
-            draft = resolve_draft(spec_config, target, backend)
-        self.engine = LLMEngine(target, tokenizer, block_size=block_size,
-                                num_blocks=num_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens,
-                                enable_chunked_prefill=enable_chunked_prefill,
-                                enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                speculative_config=spec_config, draft_model=draft, offload_config=offload_config,
-                                enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            draft = resolve_draft(config.speculative, target, backend)
+        self.engine = LLMEngine(target, tokenizer, config, draft_model=draft)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

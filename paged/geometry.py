@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .inputs import block_size_of
+
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
 H100_SXM_BANDWIDTH = 3.35e12      # bytes/s, HBM3, NVIDIA H100 SXM datasheet
@@ -42,13 +44,6 @@ def _non_negative_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value
-
-
-def _block_size(block_size) -> int:
-    _positive_int("block_size", block_size)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
-    return block_size
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -118,7 +113,7 @@ class KVGeometry:
     # per block ------------------------------------------------------------------------------------------------
     def block_bytes_per_layer(self, block_size: int) -> int:
         """One block of one layer, K and V (64 KiB for 70B at block size 16)."""
-        return _block_size(block_size) * self.bytes_per_token_per_layer
+        return block_size_of(_positive_int("block_size", block_size)) * self.bytes_per_token_per_layer
 
     def block_bytes(self, block_size: int) -> int:
         """One block over all layers, K and V (5 MiB for 70B at block size 16)."""
@@ -179,7 +174,7 @@ def measure_hf_cache(cache) -> list[dict]:
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks needed for num_tokens tokens: ceil(num_tokens / block_size)."""
     _non_negative_int("num_tokens", num_tokens)
-    return -(-num_tokens // _block_size(block_size))
+    return -(-num_tokens // block_size_of(_positive_int("block_size", block_size)))
 
 
 def block_table_bytes(num_seqs: int, max_model_len: int, block_size: int, index_dtype=torch.int32) -> int:

@@ -31,6 +31,14 @@ def integer(name: str, value, low: int | None = None, high: int | None = None) -
     return value
 
 
+def block_size_of(block_size) -> int:
+    """block_size as an int if it is a positive power of two (a block's slots, as the kernels index them)."""
+    block_size = integer("block_size", block_size, low=1)
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+    return block_size
+
+
 def real(name: str, value) -> float:
     """value as a float if it is a finite real number (not a bool); else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):

@@ -455,10 +455,9 @@ class LoRAManager:
             raise
 
     def prepare_step(self, batch: list, running: list) -> tuple[list, LoRABatch]:
-        """batch [(sequence, num_new)], decodes first: each adapter's sequences side by side within the decodes and
-        within the prefills, their adapters made resident, and the step's LoRABatch for the forward pass. (The new
-        order only changes which unseeded sampled sequence draws first from the engine's shared generator.)"""
-        batch = sorted(batch, key=lambda item: (item[1] > 1, item[0].request.lora_int_id))
+        """batch [(sequence, num_new)] in the scheduler's order (`plan.batch`: decodes first, each adapter's
+        sequences side by side within the decodes and within the prefills): their adapters made resident, and the
+        step's LoRABatch for the forward pass."""
         needed = list(dict.fromkeys(seq.request.lora_int_id for seq, _ in batch if seq.request.lora_int_id))
         self.num_steps += 1
         keep = {seq.request.lora_int_id for seq in running}

@@ -208,22 +208,15 @@ def trace_prompt(request: TraceRequest, vocab_size: int, seed: int = 0) -> list[
     return np.random.default_rng([seed, request.request_id]).integers(0, vocab_size, request.input_len).tolist()
 
 
-def sequence_lengths(engine: LLMEngine) -> dict[int, int]:
-    """seq_id -> tokens, for every sequence in the engine. Taken before a step, it tells decodes from prefill
-    chunks after it: a decode computes exactly the sequence's newest token, and that token is an output token."""
-    return {seq.seq_id: seq.num_tokens for request in engine.requests.values() for seq in request.seqs}
-
-
-def read_step(engine: LLMEngine, lengths_before: dict[int, int], index: int, start: float, duration: float,
+def read_step(engine: LLMEngine, index: int, start: float, duration: float,
               finished: list[RequestOutput]) -> StepRecord:
-    """The StepRecord of the step that just ran (engine.last_schedule), in request ids.
-    lengths_before: sequence_lengths(engine) taken just before the step."""
+    """The StepRecord of the step that just ran, read from its plan (engine.last_schedule), in request ids."""
     plan = engine.last_schedule
     prefills, decodes, num_pairs = [], [], 0
     for seq, n in plan.scheduled:
-        begin = seq.num_computed_tokens - n          # the step computed positions [begin, begin + n)
+        begin = plan.num_computed[seq.seq_id]        # the step computed positions [begin, begin + n)
         num_pairs += n * begin + n * (n + 1) // 2    # position p attends p + 1 keys
-        if n == 1 and begin == lengths_before[seq.seq_id] - 1 and begin >= seq.num_prompt_tokens:
+        if seq.seq_id in plan.decodes:
             decodes.append(seq.request.request_id)
         else:
             prefills.append((seq.request.request_id, n))
@@ -273,10 +266,9 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
             if not engine.has_unfinished_requests():
                 now.wait_until(arrivals[pending[0]])          # idle: jump (or sleep) to the next arrival
                 continue
-            lengths = sequence_lengths(engine)
             start = now()
             finished = engine.step()
-            step = read_step(engine, lengths, len(steps), start, 0.0, finished)
+            step = read_step(engine, len(steps), start, 0.0, finished)
             if clock == "simulated":   # the clock stood still inside step(); the step's tokens appear at its end
                 now.now += step_cost(step.num_batched_tokens, step.num_seqs, step.num_pairs)
             end = now()

@@ -16,26 +16,39 @@ beside `waiting` and `running`, and swapped sequences come back, their blocks co
 admitted. With a prefix-cache tier, a prompt's leading blocks that miss the pool may be found there and copied in.
 The scheduler only names the copies; the engine makes them (`offload.py`).
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
+
+The scheduler owns every sequence's state, as vLLM V1's does (guide §17): `schedule()` says what a step computes,
+and after the forward pass and the sampler `update_from_output(plan, sampled)` advances each scheduled sequence's
+`num_computed_tokens`, starts the completions a finished prompt forks (n > 1), rolls a verify back over its rejected
+drafts, appends the sampled tokens, checks the stop conditions, and frees the sequences that finished. Forks (beam
+search) and prefilled admissions (disaggregation) go through it too.
 """
 
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from .block_manager import AllocStatus, BlockManager
-from .inputs import integer
-from .sequence import Sequence, SequenceStatus
+from .config import EngineConfig
+from .sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)      # scheduled, in the forward pass's order
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
     cached_blocks: list = field(default_factory=list)  # blocks this step enters in the prefix cache
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot), before all
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (prefix-tier slot, pool block)
+    num_computed: dict[int, int] = field(default_factory=dict)  # seq_id -> its tokens computed before the step
+    decodes: set[int] = field(default_factory=set)  # seq_ids computing their newest token, an output token
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): a prompt this step
+    # ends forks its request's other completions; they sample from its logits row and run from the next step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,19 +56,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = False, swap_space=None, prefix_tier=None,
-                 max_loras: int | None = None):
-        max_num_seqs = integer("max_num_seqs", max_num_seqs, low=1)
-        max_num_batched_tokens = integer("max_num_batched_tokens", max_num_batched_tokens, low=1)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({max_num_seqs}), or some running sequences could never be scheduled")
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_space=None, prefix_tier=None,
+                 device: torch.device | str = "cpu"):
+        """config: the limits (EngineConfig, checked when it was made); swap_space, prefix_tier: offload.py's."""
+        self.config = config
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.max_loras = max_loras  # distinct adapters the running sequences may use at once; None: no LoRA
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.max_loras = config.max_loras if config.enable_lora else None  # distinct adapters at once; None: no LoRA
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks in swap_space (offload.SwapSpace)
@@ -64,9 +73,49 @@ class Scheduler:
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
         self.prefix_query_tokens = 0   # prompt tokens admitted
         self.num_preemptions = 0
+        self.device = torch.device(device)       # where seeded sequences' sampling generators live
+        self.next_seq_id = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    # ---- sequences in ---------------------------------------------------------------------------------------
+
+    def new_sequence(self, request: Request) -> Sequence:
+        """The request's next completion, not yet in any queue; seeded requests give each its own generator."""
+        index = len(request.seqs)
+        generator = None
+        if request.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(request.params.seed + index)
+        seq = Sequence(self.next_seq_id, request, index, generator)
+        self.next_seq_id += 1
+        request.seqs.append(seq)
+        return seq
+
+    def add_request(self, request: Request) -> None:
+        """Queue the request's first sequence; its other completions fork when its prompt is done."""
+        self.waiting.append(self.new_sequence(request))
+
+    def add_prefilled_request(self, request: Request, first_token: int) -> list[int]:
+        """Admit a request whose prompt K/V were computed elsewhere (disaggregated decode, guide §15) and whose
+        first token was sampled there: its blocks are allocated now and returned, for the caller to fill before
+        the next step. Raises NoFreeBlocksError if the pool has no room (check can_allocate first)."""
+        seq = self.new_sequence(request)
+        block_ids = list(self.block_manager.allocate(seq.seq_id, seq.num_tokens))
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(first_token)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return block_ids
+
+    def fork(self, parent: Sequence, child: Sequence | None = None) -> Sequence:
+        """A running copy of parent's accepted state (child, or a new completion of its request) that shares its
+        blocks; the first write to a shared block copies it. Parent may have drafts in flight: the copy has its
+        real tokens and their K/V only."""
+        child = child or self.new_sequence(parent.request)
+        child.token_ids = list(parent.token_ids)
+        child.num_computed_tokens = parent.num_computed_tokens - len(parent.spec_token_ids)
+        child.status = SequenceStatus.RUNNING
+        self.block_manager.fork(parent.seq_id, child.seq_id, child.num_computed_tokens)
+        self.running.append(child)
+        return child
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -125,7 +174,17 @@ class Scheduler:
             self.prefix_hit_tokens += len(hits) * self.block_manager.block_size
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
+        out.batch = sorted(out.scheduled, key=self._batch_order)
+        for seq, num_new in out.batch:  # a prompt this step ends forks the other completions
+            if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids):
+                out.forks += [(seq, self.new_sequence(seq.request)) for _ in range(seq.num_seats - 1)]
         return out
+
+    def _batch_order(self, item: tuple[Sequence, int]) -> tuple[bool, int]:
+        """The forward pass's order: single-token decodes first, then the chunks of more tokens, the layout
+        AttentionMetadata describes; with LoRA, each adapter's sequences side by side within both (guide §16)."""
+        seq, num_new = item
+        return num_new > 1, seq.request.lora_int_id if self.max_loras is not None else 0
 
     def _swap_in(self, out: SchedulerOutput, budget: int, seats: int) -> tuple[int, int]:
         """Swapped sequences come back first, in order, while the pool and the seats hold them; each is scheduled
@@ -159,6 +218,9 @@ class Scheduler:
         every layer writes the step's K/V before any attention reads them, so a request admitted later in the
         same step can already share them."""
         out.scheduled.append((seq, num_new))
+        out.num_computed[seq.seq_id] = seq.num_computed_tokens
+        if num_new == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
+            out.decodes.add(seq.seq_id)
         num_real = seq.num_computed_tokens + num_new - len(seq.spec_token_ids)  # draft tokens are not cached
         out.cached_blocks += self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, num_real,
                                                                   seq.request.cache_key)
@@ -214,7 +276,7 @@ class Scheduler:
         """The queues and counts, for a step that may be undone (LLMEngine.transaction); the sequences in the
         queues are kept by their requests."""
         return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
-                self.prefix_query_tokens, self.num_preemptions)
+                self.prefix_query_tokens, self.num_preemptions, self.next_seq_id)
 
     def may_change(self):
         """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
@@ -226,7 +288,7 @@ class Scheduler:
         """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
         the undone step overwrote, go to the head of the queue to be recomputed, as after a preemption."""
         self.running, self.waiting, self.swapped, self.prefix_hit_tokens, self.prefix_query_tokens, \
-            self.num_preemptions = state
+            self.num_preemptions, self.next_seq_id = state
         for seq in [seq for seq in self.swapped if seq.seq_id in lost][::-1]:
             self.swapped.remove(seq)
             self.swap_space.discard(seq.seq_id)
@@ -236,6 +298,57 @@ class Scheduler:
         for seq in [seq for seq in self.running if seq.seq_id in lost][::-1]:
             self.running.remove(seq)
             self._preempt(seq)
+
+    # ---- after the forward pass ------------------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, sampled: list[tuple[Sequence, list[int]]],
+                           now: float | None = None) -> list[Sequence]:
+        """Advance the sequences plan scheduled past the tokens the step computed, start its forks, and append
+        what the sampler chose: sampled holds (sequence, tokens), one token, or the 1..k + 1 a verify of k drafts
+        accepts. A verify rolls back over its rejected drafts first (their blocks go back to the pool). Each
+        token is checked against the stop conditions; returns the sequences that finished, their blocks freed.
+        now: the engine's clock, for the requests' token times (None records none)."""
+        for seq, num_new in plan.scheduled:
+            seq.num_computed_tokens += num_new
+        for parent, child in plan.forks:
+            self.fork(parent, child)
+        finished = []
+        for seq, tokens in sampled:
+            if seq.spec_token_ids:
+                self._accept(seq, tokens)
+            metrics = seq.request.metrics
+            if now is not None:
+                metrics.first_token_time = metrics.first_token_time or now
+            for token in tokens:
+                seq.token_ids.append(token)
+                if now is not None:
+                    metrics.token_times.append(now)
+                if self.check_stop(seq, token):
+                    finished.append(seq)
+                    break
+        self.finish(finished)
+        return finished
+
+    def _accept(self, seq: Sequence, tokens: list[int]) -> None:
+        """seq verified its drafts and appends tokens (the accepted drafts and one more): it rolls back over the
+        rejected drafts, whose K/V stay in the pool unread until overwritten, and blocks holding only those go."""
+        seq.num_computed_tokens -= len(seq.spec_token_ids) - (len(tokens) - 1)
+        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+
+    def check_stop(self, seq: Sequence, token: int) -> bool:
+        """Whether seq, which just appended token, is done: "stop" at EOS or a stop token, "length" at max_tokens
+        or the model's length."""
+        params = seq.params
+        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or \
+                (self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len):
+            seq.finish_reason = "length"
+        else:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        return True
 
     def finish(self, seqs: list[Sequence]) -> None:
         """Free the blocks of sequences that just finished and drop them from the running list."""

@@ -107,7 +107,7 @@ def engine_state(engine) -> dict:
         "counts": {"prefix_hit_tokens": scheduler.prefix_hit_tokens,
                    "prefix_query_tokens": scheduler.prefix_query_tokens,
                    "num_preemptions": scheduler.num_preemptions, "num_steps": engine.num_steps,
-                   "next_seq_id": engine._next_seq_id, "spec": engine.spec_stats()},
+                   "next_seq_id": engine.scheduler.next_seq_id, "spec": engine.spec_stats()},
         "tables": plain(manager.block_tables), "block_hashes": plain(manager.block_hashes),
         "cached": {block_hash: block.block_id for block_hash, block in manager.cached.items()},
         "names": [(block.block_hash, block.hash_key) for block in manager.blocks],
@@ -495,7 +495,7 @@ def test_seeded_sampling_draws_the_same_after_an_interrupt(tiny_model, monkeypat
         while engine.has_unfinished_requests():
             step += 1
             if interrupt and step % 3 == 0:
-                raise_on(monkeypatch, engine, "_check_stop", error=Injected, at=2)  # after every token was drawn
+                raise_on(monkeypatch, engine.scheduler, "check_stop", error=Injected, at=2)  # after every token was drawn
                 with pytest.raises(Injected):
                     engine.step()
                 monkeypatch.undo()
