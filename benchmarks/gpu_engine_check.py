@@ -1,7 +1,8 @@
 """The engine on a GPU against transformers (guide §7, §17): random-weight models of real shapes, in bf16, with
 the Triton backend.
 
-For each architecture in ARCHITECTURES it builds a transformers LlamaForCausalLM with random weights on the GPU,
+For each architecture in ARCHITECTURES it builds a transformers model of that family (Llama, Qwen3) with random
+weights on the GPU,
 then
   - greedy tokens: the engine's against transformers' own greedy loop (the same weights, the same dtype), prompt
     by prompt: how many positions agree before the first difference, and the logit margin there (transformers'
@@ -16,7 +17,7 @@ then
     python benchmarks/gpu_engine_check.py --archs smollm2-135m --batch-sizes 1,32
     python benchmarks/gpu_engine_check.py --dry                # tiny shapes, fp32 (no GPU: in the interpreter)
 
-A new architecture is one more entry in ARCHITECTURES: the LlamaConfig settings of its shape.
+A new architecture is one more entry in ARCHITECTURES: its model_type and the config settings of its shape.
 """
 
 import argparse
@@ -26,17 +27,24 @@ import time
 
 import torch
 
-# name -> LlamaConfig settings (the shapes of the published configs; the weights are random)
+# name -> model_type and config settings (the shapes of the published configs; the weights are random)
 ARCHITECTURES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    "smollm2-135m": dict(model_type="llama",
+                         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    "llama3-8b": dict(model_type="llama",
+                      vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True),
 }
-DRY_ARCHITECTURE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+DRY_ARCHITECTURE = dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        max_position_embeddings=256,
                         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
@@ -61,12 +69,13 @@ def parse_args(argv):
 
 
 def build_model(name, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    settings = DRY_ARCHITECTURE if name == "dry" else ARCHITECTURES[name]
-    config = LlamaConfig(**settings, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    settings = dict(DRY_ARCHITECTURE if name == "dry" else ARCHITECTURES[name])
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):                   # initialised where it runs: an 8B model in seconds, not minutes
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     return model
 
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 
 from .engine import LLMEngine
-from .inputs import prompt_token_ids
+from .validation import prompt_token_ids
 from .sampling import SamplingParams
 from .sequence import RequestMetrics
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import cdiv
-from .inputs import integer, real
+from .validation import integer, real
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .sharing import BlockSteps

@@ -28,7 +28,7 @@ import hashlib
 import pickle
 from dataclasses import dataclass, field
 
-from .inputs import block_size_of, integer
+from .validation import block_size_of, integer
 
 
 def canonical_extra_key(extra_key):

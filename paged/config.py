@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .block_manager import cdiv
-from .inputs import block_size_of, integer, real
+from .validation import block_size_of, integer, real
 from .offload import OffloadConfig
 from .speculative import SpeculativeConfig
 

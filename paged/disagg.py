@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from .block_manager import AllocStatus, cdiv
 from .config import SETTINGS, EngineConfig
 from .geometry import KVGeometry
-from .inputs import as_prompt_list, block_size_of, integer, prompt_token_ids, real
+from .validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 from .model import ATTENTION_BACKENDS, check_model
 from .sampling import SamplingParams
 from .sequence import Request, RequestMetrics, RequestOutput

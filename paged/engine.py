@@ -15,11 +15,11 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .batching import step_inputs
+from .model_inputs import step_inputs
 from .block_manager import BlockManager
 from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from .geometry import KVGeometry
-from .inputs import as_prompt_list, prompt_token_ids, real
+from .validation import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama

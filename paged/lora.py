@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .inputs import available_memory, integer
+from .validation import available_memory, integer
 
 MAX_LORAS = 64          # adapter slots on the device at most
 MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from .block_manager import Block, BlockManager, cdiv
-from .inputs import available_memory, real
+from .validation import available_memory, real
 from .kv_cache import KVCache
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .inputs import integer, real, token_id_list
+from .validation import integer, real, token_id_list
 
 GREEDY_TEMPERATURE = 1e-5   # below it, sampling is greedy
 MAX_SEED = 2**63 - 1        # a generator's seed; completion i of a request draws from seed + i

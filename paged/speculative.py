@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .batching import prepare_inputs
+from .model_inputs import prepare_inputs
 from .block_manager import AllocStatus, BlockManager
-from .inputs import integer
+from .validation import integer
 from .kv_cache import KVCache
 from .model import PagedLlama
 from .rejection_sampler import greedy_accept, rejection_sample

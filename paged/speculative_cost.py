@@ -9,7 +9,7 @@ The mechanism itself (proposers, verify, rollback) is paged/speculative.py.
 
 import time
 
-from .batching import prepare_inputs
+from .model_inputs import prepare_inputs
 from .block_manager import cdiv
 
 
