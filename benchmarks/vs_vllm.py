@@ -12,7 +12,7 @@ Starting an engine (loading, vLLM's torch.compile) is not timed; one short warm-
 Workloads, as in benchmarks/throughput.py:
   fixed    64 chat prompts x 128 new tokens, all admitted at once
   steady   256 chat requests with ShareGPT-like output lengths (paged.traces, scaled to <= 256), 64 running
-  prefix   the fixed workload behind one shared ~400-token system prompt, prefix caching on in both engines
+  prefix   the fixed workload behind one shared ~450-token system prompt, prefix caching on in both engines
            (off in both for the other two)
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
 percentiles, and how many completions are token-identical; where one is not, the first position that differs and
@@ -131,7 +131,7 @@ ABLATIONS = {"vllm, eager (no torch.compile)": ({"enforce_eager": True}, {}),
 
 def run_worker(engine: str, python: str, spec: dict, threads: int, dtype: str, env_extra: dict | None = None) -> dict:
     cores = "0" if threads == 1 else f"0-{threads - 1}"
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=str(threads),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]), **(env_extra or {}))
     with tempfile.TemporaryDirectory() as folder:
         spec_file, out_file = Path(folder) / "spec.json", Path(folder) / "out.json"
@@ -210,6 +210,18 @@ def report(row: dict) -> None:
               f"logit margin {difference['margin']:+.4f}")
 
 
+def save(rows: list[dict], out: str) -> None:
+    import torch
+    import transformers
+    result = {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d"), "cpu": cpu_description(),
+              "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
+                           **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
+              "configurations": rows}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM's environment")
@@ -242,15 +254,7 @@ def main():
                 rows.append(compare(name, spec, dtype, threads, args.turns, args.vllm_python,
                                     ablations=args.ablations and not rows))
                 report(rows[-1])
-    import torch
-    import transformers
-    result = {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "cpu": cpu_description(),
-              "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
-                           **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
-              "configurations": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+                save(rows, args.out)   # after every configuration: a long run stopped early keeps what it measured
     print(f"\nwritten: {args.out}")
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: the real SmolLM2 (loaded once per session) and a tiny random Llama for fast engine tests."""
 
 import pytest
+import torch
 from helpers import tiny_llama
 from paged.models import chat_prompt, load_hf_model
 
@@ -31,3 +32,13 @@ def chat_prompts(smollm2):
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny matmuls: on a machine other processes load, torch's thread pool costs
+    more than it gives. A module asks for it with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,6 +25,8 @@ from paged import LLM, LoRARequest, SamplingParams
 from paged.architectures import ARCHITECTURES
 from paged.geometry import KVGeometry
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 331        # > the tokenizer's 300 words, as real models pad theirs; not a multiple of 64
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -56,15 +58,6 @@ MODELS = {  # name: (transformers class prefix, settings)
     "qwen3-4to1-hd128": ("Qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                        head_dim=128, num_hidden_layers=1, tie_word_embeddings=False)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: on a machine other processes load, torch's thread pool costs more than it gives."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def save_tokenizer(folder) -> None:

@@ -21,6 +21,8 @@ from paged import lora as lora_module
 from paged.lora import MAX_LORA_RANK, MAX_LORAS, TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
 from paged.model import PagedLlama
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 7, 9, 11, 13], [200, 3, 3, 40], [17] * 19, list(range(30, 70))]
 
@@ -36,15 +38,6 @@ def hf_greedy(model, prompt, max_tokens=GREEDY.max_tokens) -> list[int]:
 
 def tokens(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: on a machine other processes load, torch's thread pool costs more than it gives."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
