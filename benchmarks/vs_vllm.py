@@ -210,14 +210,14 @@ def report(row: dict) -> None:
               f"logit margin {difference['margin']:+.4f}")
 
 
-def save(rows: list[dict], out: str) -> None:
+def save(rows: list[dict], out: str, planned: int) -> None:
     import torch
     import transformers
     result = {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d"), "cpu": cpu_description(),
               "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
                            **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
-              "configurations": rows}
+              "configurations_planned": planned, "configurations": rows}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -254,7 +254,8 @@ def main():
                 rows.append(compare(name, spec, dtype, threads, args.turns, args.vllm_python,
                                     ablations=args.ablations and not rows))
                 report(rows[-1])
-                save(rows, args.out)   # after every configuration: a long run stopped early keeps what it measured
+                # after every configuration, so that a run stopped early keeps what it measured
+                save(rows, args.out, planned=len(specs) * len(args.dtypes) * len(args.threads))
     print(f"\nwritten: {args.out}")
 
 
