@@ -112,10 +112,10 @@ def workloads(names: list[str]) -> dict[str, dict]:
                               prefix_caching=False)
         elif name == "prefix":
             texts = [ASKS[i % len(ASKS)].format(TOPICS[i // len(ASKS) % len(TOPICS)]) for i in range(64)]
-            prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                                      {"role": "user", "content": text}],
-                                                     tokenize=True, add_generation_prompt=True) for text in texts]
-            prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+            chats = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                                    {"role": "user", "content": text}],
+                                                   tokenize=False, add_generation_prompt=True) for text in texts]
+            prompts = [tokenizer(chat, add_special_tokens=False)["input_ids"] for chat in chats]
             made[name] = dict(prompts=prompts, lengths=[128] * 64, max_running=64, prefix_caching=True)
     model_dir = str(convert_gguf_to_cache())
     for spec in made.values():
