@@ -2,13 +2,13 @@
 
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2
     python benchmarks/serve_bench.py --base-url ... --max-concurrency 8 --result-json paged.json --label paged
-    python benchmarks/serve_bench.py --compare paged.json vllm.json --out benchmarks/results/serve_vs_vllm.json
+    python benchmarks/serve_bench.py --compare paged.json vllm.json --out serve_vs_vllm.json
 
 Prompts are random token ids with ShareGPT-like lengths (paged.traces; --profile alpaca for short ones), each
 asking for exactly its trace output length. Arrivals are Poisson at --request-rate (default: all at once), or a
 fixed number in flight with --max-concurrency. Prints request and output throughput, TTFT / TPOT / ITL / e2e
 (mean, median, p90, p99) and goodput under the SLO given by --slo-ttft and --slo-tpot (seconds). --compare prints
-two result files side by side and writes them together to --out.
+result files side by side and writes them together to --out.
 """
 
 import argparse
@@ -63,8 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     parser.add_argument("--label", default="server", help="the column's name in the printed table")
     parser.add_argument("--result-json", default=None, help="write the summary here")
-    parser.add_argument("--compare", nargs=2, metavar="JSON", help="print two result files side by side")
-    parser.add_argument("--out", default=None, help="with --compare: write both results to this file")
+    parser.add_argument("--compare", nargs="+", metavar="JSON", help="print result files side by side")
+    parser.add_argument("--out", default=None, help="with --compare: write the results together to this file")
     args = parser.parse_args(argv)
 
     if args.compare:

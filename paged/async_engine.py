@@ -13,7 +13,8 @@ What the loop guarantees:
   - the engine is touched only from the loop's thread, so nothing in it needs a lock;
   - text is decoded incrementally and a delta never ends inside a multi-byte character (a token holding half of
     one waits for the next token);
-  - stop strings (which the engine does not know about) end a completion here: its text is cut before the string;
+  - stop strings (which the engine does not know about) end a completion here: its text is cut before the string,
+    and its sequence stops in the engine at once (blocks freed) while the request's other completions go on;
   - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
     blocks go back to the pool before the next step;
   - if a step raises, the engine has put itself back as it was (LLMEngine.transaction); the requests in flight
@@ -283,11 +284,12 @@ class AsyncLLM:
                       if d is not None]
             if not deltas:
                 continue
+            for completion, seq in zip(stream.completions, stream.request.seqs):
+                if completion.finish_reason == "stop" and not seq.is_finished:   # a stop string: the engine
+                    self.engine.abort_sequence(request_id, seq.index)               # still holds its blocks
             done = all(c.finish_reason is not None for c in stream.completions)
             output = StreamOutput(request_id, len(stream.request.prompt_token_ids), deltas, done)
             if done:
-                if not stream.request.is_finished:   # ended by a stop string: the engine still holds it
-                    self.engine.abort_request(request_id)
                 metrics = stream.request.metrics
                 metrics.finished_time = metrics.finished_time or self.engine.clock()
                 output.metrics = dataclasses.replace(metrics, token_times=list(metrics.token_times))

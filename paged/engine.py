@@ -129,6 +129,18 @@ class LLMEngine:
         self.scheduler.abort([seq for seq in request.seqs if not seq.is_finished])
         self._release_drafts()
 
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Stop one completion of a request now (its caller found a stop string in the text); its blocks return to
+        the pool at once, and the request ends with its last completion. An unknown or finished one is ignored."""
+        request = self.requests.get(request_id)
+        seqs = [seq for seq in request.seqs if seq.index == index and not seq.is_finished] if request else []
+        if not seqs:
+            return
+        self.scheduler.abort(seqs)
+        self._release_drafts()
+        if request.is_finished:
+            del self.requests[request_id]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

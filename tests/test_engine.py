@@ -70,6 +70,30 @@ def test_abort_frees_blocks_at_once(tiny_model):
     assert not engine.has_unfinished_requests()
 
 
+def test_abort_one_completion_frees_its_blocks_and_the_others_go_on(tiny_model):
+    llm = make_tiny_llm(tiny_model, num_blocks=256)
+    engine = llm.engine
+    prompt = random_prompts(1, seed=6)[0]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    request_id = engine.add_request(engine.make_request(prompt, params))
+    seqs = engine.requests[request_id].seqs
+    while len(seqs) < 3 or len(seqs[1].output_token_ids) < 5:
+        engine.step()
+    engine.abort_sequence(request_id, 1)
+    assert seqs[1].seq_id not in engine.block_manager.block_tables     # freed at once, not when the others end
+    assert all(seq.seq_id in engine.block_manager.block_tables for seq in (seqs[0], seqs[2]))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: o for o in engine.step()}
+    completions = outputs[request_id].outputs
+    assert [c.token_ids for c in (completions[0], completions[2])] == [expected[0].token_ids, expected[2].token_ids]
+    assert completions[1].finish_reason == "abort" and len(completions[1].token_ids) == 5
+    assert completions[1].token_ids == expected[1].token_ids[:5]
+    engine.abort_sequence(request_id, 0)   # the request is gone: ignored
+    assert_pool_empty(llm)
+
+
 def test_n_completions_and_seeded_sampling(tiny_model):
     llm = make_tiny_llm(tiny_model, num_blocks=256)
     prompt = random_prompts(1, seed=6)[0]
