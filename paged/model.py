@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from . import attention as torch_attention
 from .architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
+from .packed_linear import linear, pack
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 
@@ -161,7 +162,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight^T [in, out] (+ bias [out]), plus each token's LoRA update when the step has
     adapters (guide §16)."""
-    out = F.linear(x, weight, bias)
+    out = linear(x, weight, bias)
     if lora is not None:
         lora.add(layer, name, x, out)
     return out
@@ -178,6 +179,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None  # [(num_heads + 2 * num_kv_heads) * head_dim], where the architecture has it
     q_norm: torch.Tensor | None = None    # [head_dim], where the architecture has it
     k_norm: torch.Tensor | None = None    # [head_dim]
+
+
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")   # a LayerWeights' matmul weights
 
 
 @dataclass
@@ -231,7 +235,14 @@ class PagedLlama:
             raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
                              f"use 'triton' or 'torch' there")
         self.backend = attention_backend(backend, self.dtype)
-        self.embed_tokens, self.final_norm, self.lm_head = weights.embed_tokens, weights.final_norm, weights.lm_head
+        self.embed_tokens, self.final_norm = weights.embed_tokens, weights.final_norm
+        # On a CPU, each matmul's weight is reordered once for oneDNN (packed_linear.py), in place, one tensor at a
+        # time, so the plain one is freed as its packed copy is made; a tied LM head gets a packed copy of its own
+        # and the embedding lookup keeps the plain table.
+        self.lm_head = pack(weights.lm_head)
+        for layer in weights.layers:
+            for name in LINEAR_WEIGHTS:
+                setattr(layer, name, pack(getattr(layer, name)))
         self.layers = weights.layers
         # The rotary table for every position, computed once by the model's own rotary module (any RoPE variant).
         with torch.no_grad():
@@ -266,7 +277,7 @@ class PagedLlama:
             act = self.backend.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
             hidden += project(act, layer.down, lora, index, "down")
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
-        return F.linear(last, self.lm_head).float()                         # [num_logits, vocab]
+        return linear(last, self.lm_head).float()                           # [num_logits, vocab]
 
     def _attention(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
