@@ -90,6 +90,24 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bo
     return out[0, ids.shape[1]:].tolist()
 
 
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' next-token logits [vocab] after ids, in fp32."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+def assert_near_tie(label: str, model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
+    """Where two greedy continuations part (if they do), transformers must rank both tokens within a bf16-sized
+    margin: 2^-6 of its largest logit there. Prints the margin."""
+    step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if step is None:
+        return
+    logits = hf_logits(model, prompt + ours[:step])
+    margin, scale = float(logits[theirs[step]] - logits[ours[step]]), float(logits.abs().max())
+    print(f"{label}: a near-tie at step {step}, transformers' margin {margin:.4f} of logits up to {scale:.2f}")
+    assert margin <= 2 ** -6 * scale, f"{label}, step {step}: margin {margin:.4f} of logits up to {scale:.2f}"
+
+
 class Interrupt(Exception):
     """What a failing forward observer raises (KeyboardInterrupt behaves the same: both are caught as BaseException)."""
 

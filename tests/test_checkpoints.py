@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_pool_empty
+from helpers import assert_near_tie, assert_pool_empty, hf_logits
 from safetensors.torch import load_file, save_file
 
 from paged import LLM, LoRARequest, SamplingParams
@@ -106,11 +106,6 @@ def folders(tmp_path_factory):
     return get
 
 
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].float()
-
-
 def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     ids = list(prompt)
     for _ in range(max_tokens):
@@ -151,14 +146,7 @@ def test_bf16_shards_equal_transformers_in_bf16_up_to_near_ties(folders, name):
     llm = load_engine(folder, dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     for prompt, ours in zip(PROMPTS, tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))):
-        theirs = hf_greedy(hf, prompt)
-        if ours != theirs:
-            step = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-            logits = hf_logits(hf, prompt + ours[:step])
-            margin = float(logits[theirs[step]] - logits[ours[step]])
-            scale = float(logits.abs().max())
-            print(f"{name}: a near-tie at step {step}, transformers' margin {margin:.4f} of logits up to {scale:.2f}")
-            assert margin <= 2 ** -6 * scale, f"step {step}: margin {margin:.4f} of logits up to {scale:.2f}"
+        assert_near_tie(name, hf, prompt, ours, hf_greedy(hf, prompt))
     assert llm.kv_stats()["num_preemptions"] > 0
 
 

@@ -1,11 +1,13 @@
 """The oracle: greedy token ids from the paged engine equal transformers' `generate` on the same weights."""
 
+import copy
+
 import pytest
 import torch
 
 from paged import SamplingParams
 
-from helpers import assert_pool_empty, hf_greedy, make_tiny_llm, random_prompts, run_engine
+from helpers import assert_near_tie, assert_pool_empty, hf_greedy, make_tiny_llm, random_prompts, run_engine
 
 NEW_TOKENS = 48
 
@@ -46,6 +48,22 @@ def test_stopping_at_eos_matches_transformers(smollm2, smollm2_llm, chat_prompts
     outs = smollm2_llm.generate(chat_prompts[:3], SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(model, out.prompt_token_ids, 64)
+
+
+def test_smollm2_in_bf16_equals_transformers_in_bf16_up_to_near_ties(smollm2, chat_prompts):
+    """bf16 rounds differently along the engine's path (fused projections; on a CPU without bf16 matmuls, fp32
+    products of the bf16 weights, packed_linear.py); where a token differs, transformers ranks both within a
+    bf16-sized margin."""
+    from paged import LLM
+    model, tokenizer = smollm2
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    llm = LLM(model=model16, tokenizer=tokenizer, num_blocks=256, device="cpu", dtype=torch.bfloat16)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chat_prompts[:4]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for index, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert_near_tie(f"prompt {index}", model16, prompt, out.outputs[0].token_ids,
+                        hf_greedy(model16, prompt, 16, stop_at_eos=False))
+    assert_pool_empty(llm)
 
 
 @pytest.mark.parametrize("block_size", [8, 32])
