@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from paged import LLM, LoRARequest, SamplingParams
-from paged.lora import TARGET_MODULES, LoRAManager
+from paged.lora import TARGET_MODULES, LoRASlots
 from paged.models import load_hf_model
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -177,7 +177,7 @@ def main():
         for n in (1, 2, 4, 8, 16, 64):
             shared, full = base_bytes + n * adapter_bytes, n * base_bytes
             print(f"{n:>4} {shared / 2**20:22.1f} {full / 2**20:18.1f} {full / shared:7.2f}")
-        slots = LoRAManager(lora_llm.engine.model, 8, args.rank).slots
+        slots = LoRASlots(lora_llm.engine.model, 8, args.rank)
         print(f"device slots for max_loras=8 at max_lora_rank={args.rank}: {slots.nbytes / 2**20:.1f} MiB")
 
 

@@ -64,16 +64,16 @@ def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalt
                 and (end - start + 1) * beam_width <= engine.scheduler.max_num_seqs:
             blocks += need[end]
             end += 1
-        outputs += _search_group(engine, requests[start:end], limits[start:end], beam_width, length_penalty)
+        outputs += _search_group(engine, requests[start:end], beam_width, length_penalty)
         start = end
     return outputs
 
 
-def _search_group(engine, requests, limits, beam_width, length_penalty):
+def _search_group(engine, requests, beam_width, length_penalty):
     for request in requests:
         engine.add_request(request)
     try:
-        done, usage = _search(engine, requests, limits, beam_width)
+        done, usage = _search(engine, requests, beam_width)
     except BaseException:  # an interrupt or an error: every beam gives its blocks back
         _release(engine, [seq for request in requests for seq in request.seqs if not seq.is_finished])
         raise
@@ -89,29 +89,30 @@ def _search_group(engine, requests, limits, beam_width, length_penalty):
     return results
 
 
-def _search(engine, requests, limits, beam_width):
+def _search(engine, requests, beam_width):
     """Step the group's beams until every prompt is done."""
     live = {r.request_id: [(r.seqs[0], 0.0)] for r in requests}        # request -> [(sequence, cum logprob)]
     done = {r.request_id: [] for r in requests}                        # request -> [(tokens, cum logprob, eos?)]
     usage = {r.request_id: [] for r in requests}
-    limit_of = {r.request_id: limit for r, limit in zip(requests, limits)}
     while any(live.values()):
         with engine.transaction():  # a beam step happens whole or not at all, as LLMEngine.step does
-            _step(engine, requests, live, done, usage, limit_of, beam_width)
+            _step(engine, requests, live, done, usage, beam_width)
     return done, usage
 
 
-def _step(engine, requests, live, done, usage, limit_of, beam_width) -> None:
-    """One forward pass over every live beam; each prompt keeps its beam_width best candidates."""
-    plan = engine.scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
+def _step(engine, requests, live, done, usage, beam_width) -> None:
+    """One forward pass over every live beam; each prompt keeps its beam_width best candidates. The scheduler's
+    update makes the kept candidates' forks and appends their tokens, and ends the beams at their length limit."""
+    scheduler = engine.scheduler
+    plan = scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
     if not plan.scheduled:
         raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
     for request in requests:
         _record_usage(engine, live[request.request_id], usage[request.request_id])
     logits, sampled = engine.execute(plan)
-    engine.scheduler.update_from_output(plan, [])                  # the beams' K/V are computed; tokens come below
     logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
     row_of = {seq.seq_id: row for seq, row in sampled}
+    chosen, dropped = [], []
     for request in requests:
         beams = live[request.request_id]
         if not beams or beams[0][0].seq_id not in row_of:
@@ -125,29 +126,30 @@ def _step(engine, requests, live, done, usage, limit_of, beam_width) -> None:
         ends = engine.eos_token_ids
         done[request.request_id] += [(seq.output_token_ids + [tok], score, True)
                                      for score, seq, tok in kept if tok in ends]
-        continuing = [(score, seq, tok) for score, seq, tok in kept if tok not in ends]
-        live[request.request_id] = _advance(engine, beams, continuing)
+        live[request.request_id] = _children(scheduler, plan, [c for c in kept if c[2] not in ends], chosen)
+        continued = {seq for seq, _ in live[request.request_id]}  # a parent with a kept child continues as it
+        dropped += [seq for seq, _ in beams if seq not in continued]
+    finished = set(scheduler.update_from_output(plan, chosen))  # the forks, then the chosen tokens appended
+    _release(engine, dropped)
+    for request in requests:  # beams at max_tokens or the model's length have finished ("length")
         beams = live[request.request_id]
-        if beams and len(beams[0][0].output_token_ids) >= limit_of[request.request_id]:
-            done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in beams]
-            _release(engine, [seq for seq, _ in beams])
-            live[request.request_id] = []
+        done[request.request_id] += [(seq.output_token_ids, score, False) for seq, score in beams if seq in finished]
+        live[request.request_id] = [(seq, score) for seq, score in beams if seq not in finished]
 
 
-def _advance(engine, beams, continuing) -> list[tuple[Sequence, float]]:
-    """Turn the kept candidates into live sequences: forks first (they copy the parent's tokens), then appends."""
-    children: dict[int, list[tuple[Sequence, int, float]]] = {}
+def _children(scheduler, plan, continuing, chosen) -> list[tuple[Sequence, float]]:
+    """The live beams the kept candidates (score, parent, token) become: a parent's first kept child continues the
+    parent, each other one is a new sequence forked from it in the plan (plan.forks). Their tokens join chosen."""
+    beams, continued = [], set()
     for score, parent, tok in continuing:
-        siblings = children.setdefault(parent.seq_id, [])
-        sequence = parent if not siblings else engine.scheduler.fork(parent)
-        siblings.append((sequence, tok, score))
-    _release(engine, [seq for seq, _ in beams if seq.seq_id not in children])
-    new_beams = []
-    for siblings in children.values():
-        for sequence, tok, score in siblings:
-            sequence.token_ids.append(tok)
-            new_beams.append((sequence, score))
-    return new_beams
+        sequence = parent
+        if parent.seq_id in continued:
+            sequence = scheduler.new_sequence(parent.request)
+            plan.forks.append((parent, sequence))
+        continued.add(parent.seq_id)
+        chosen.append((sequence, [tok]))
+        beams.append((sequence, score))
+    return beams
 
 
 def _release(engine, seqs: list[Sequence]) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import cdiv
 from .validation import block_size_of, integer, real
+from .lora import MAX_LORA_RANK, MAX_LORAS
 from .offload import OffloadConfig
 from .speculative import SpeculativeConfig
 
@@ -64,6 +65,8 @@ class EngineConfig:
                              f"({self.max_num_seqs}), or some running sequences could never be scheduled")
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_lora"):
             flag(name, getattr(self, name))
+        self.max_loras = integer("max_loras", self.max_loras, low=1, high=MAX_LORAS)
+        self.max_lora_rank = integer("max_lora_rank", self.max_lora_rank, low=1, high=MAX_LORA_RANK)
         self.seed = integer("seed", self.seed)
         self.offload = OffloadConfig.from_args(self.preemption_mode, self.swap_space, self.kv_offloading_size,
                                                self.kv_offload_dir, self.enable_prefix_caching)

@@ -4,14 +4,17 @@
         outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))
         llm.transfer_stats()   # blocks_sent, bytes_sent, seconds
 
-A prefill worker runs every prompt through its own LLMEngine and samples the first token. It then hands the request
-to a decode worker: the blocks the prompt fills, every layer's K and V, go over torch.distributed (gloo on a CPU,
-NCCL between two GPUs) as one tensor [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]; the request
-itself (token ids, sampling parameters, first token, the state of its random generator) goes over a pipe beside it.
-The decode worker allocates blocks in its own pool, receives into a staging buffer of that shape, scatters it into
-those blocks, and decodes the request from its first token (`LLMEngine.add_prefilled_request`). The two run at once:
-while the decode worker decodes request i, the prefill worker already prefills request i + 1, so a long prompt never
-stalls the decode steps of running requests, which is the whole point.
+A prefill worker runs every prompt through its own LLMEngine and samples the first token. If that token does not end
+the request, its engine's KV connector (`kv_connector.KVProducer`) keeps the blocks the prompt fills and copies them
+out at the end of the step, every layer's K and V as one tensor [2, num_layers, num_blocks, block_size, num_kv_heads,
+head_dim], which goes to a decode worker over torch.distributed (gloo on a CPU, NCCL between two GPUs); the request
+itself (token ids, sampling parameters, metrics) goes over a pipe beside it. The decode worker receives the blocks
+into a staging buffer of that shape, gives them to its engine's connector (`kv_connector.KVConsumer`) and adds the
+request: the scheduler admits it as any other, and the connector fills the blocks allocated for it before the step.
+There the prompt's last token is computed again, for the logits of the first output token, as vLLM V1's decode side
+does, and the request decodes to its end. The two run at once: while the decode worker decodes request i, the
+prefill worker already prefills request i + 1, so a long prompt never stalls the decode steps of running requests,
+which is the whole point.
 
     caller --requests--> prefill worker --header (pipe) + K/V blocks (torch.distributed)--> decode worker
        ^------------------------ outputs, heartbeats, errors (pipes) ---------------------------/
@@ -22,12 +25,12 @@ start. A worker that dies or raises (while starting or later), or says nothing f
 are in flight, makes the constructor or generate() raise a WorkerError (a RuntimeError) naming it; both workers are
 then stopped, so nothing is left running (close() also runs on garbage collection and at interpreter exit).
 
-What matches the colocated LLM: greedy tokens exactly (both engines run the same forward pass; a block arrives
-bit-exact). Seeded sampling draws from the same stream: the request's generator drew the first token in the prefill
-worker and its state travels with the request, so the decode worker continues it; the tokens then equal LLM's as
-long as the logits do (batch composition can change the last bits of a logit, as between two LLM runs with other
-batch-mates). Unseeded sampling uses each worker's own generator, so it differs from LLM's. One completion per
-request (n = 1). A sequence the decode worker preempts is recomputed there, as in LLM.
+What matches the colocated LLM: greedy tokens (both engines run the same forward pass; a block arrives bit-exact;
+batch composition can change the last bits of a logit, as between two LLM runs with other batch-mates). Seeded
+sampling draws from the same stream: the decode worker's sequence seeds its generator as LLM's does and draws the
+first token again from it, the token the prefill worker drew. Unseeded sampling uses each worker's own generator, so
+it differs from LLM's. One completion per request (n = 1). A sequence the decode worker preempts is recomputed
+there, as in LLM.
 """
 
 import dataclasses
@@ -47,9 +50,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from .block_manager import AllocStatus, cdiv
+from .block_manager import cdiv
 from .config import SETTINGS, EngineConfig
 from .geometry import KVGeometry
+from .kv_connector import KVConsumer, KVProducer
 from .validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 from .model import ATTENTION_BACKENDS, check_model
 from .sampling import SamplingParams
@@ -86,8 +90,6 @@ class Handoff:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    first_token: int
-    generator_state: torch.Tensor | None
     num_blocks: int
     digest: str | None          # sha256 of the blocks' bytes as sent, when verify_transfers
 
@@ -104,7 +106,7 @@ def kv_digest(kv: torch.Tensor) -> str:
 
 # ---- the workers (each in its own process) -------------------------------------------------------------------------
 
-def _build_llm(model_spec, device, config: EngineConfig, model_args: dict):
+def _build_llm(model_spec, device, config: EngineConfig, model_args: dict, kv_connector):
     from .engine import LLM
     if model_spec == "smollm2":
         model = "smollm2"
@@ -113,7 +115,7 @@ def _build_llm(model_spec, device, config: EngineConfig, model_args: dict):
         hf_config, state_dict = model_spec
         model = AutoModelForCausalLM.from_config(hf_config)
         model.load_state_dict(state_dict)
-    return LLM(model=model, device=device, config=config, **model_args)
+    return LLM(model=model, device=device, config=config, kv_connector=kv_connector, **model_args)
 
 
 def _worker_main(role, model_spec, config, model_args, device, port, num_threads, verify, caller_conn, peer_conn):
@@ -123,7 +125,8 @@ def _worker_main(role, model_spec, config, model_args, device, port, num_threads
             torch.set_num_threads(num_threads)
         if torch.device(device).type == "cuda":
             torch.cuda.set_device(torch.device(device))
-        llm = _build_llm(model_spec, device, config, model_args)
+        connector = KVProducer() if role == "prefill" else KVConsumer()
+        llm = _build_llm(model_spec, device, config, model_args, connector)
         backend = "nccl" if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
         # A send may wait long for a crowded decode pool to make room; liveness is the caller's watch, not this.
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
@@ -164,21 +167,12 @@ class _Worker:
 
 
 class PrefillWorker(_Worker):
-    """Runs each prompt (its engine samples only the first token), then sends the request and its blocks on."""
+    """Runs each prompt (its engine samples only the first token), then sends the request and its blocks on: its
+    engine's KVProducer saved them at the end of the step, for each request whose first token did not end it."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.original_params: dict[str, SamplingParams] = {}
-        self.finishing: dict[str, tuple] = {}  # request_id -> (sequence, block table) for prompts this step ends
-        self.engine.forward_observers.append(self._note_tables)
-
-    def _note_tables(self, plan) -> None:
-        """Before the forward pass: remember the tables of prompts this step completes. The engine frees their
-        blocks as soon as the one-token request finishes, but their contents stay in the pool until the next step."""
-        manager = self.engine.block_manager
-        for seq, num_new in plan.scheduled:
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                self.finishing[seq.request.request_id] = seq, list(manager.block_tables[seq.seq_id])
 
     def serve(self) -> None:
         engine = self.engine
@@ -192,36 +186,34 @@ class PrefillWorker(_Worker):
                     self.original_params[request_id] = params
                     request = engine.make_request(token_ids, dataclasses.replace(params, max_tokens=1), request_id)
                     request.prompt, request.metrics.arrival_time = prompt, arrival
+                    # decoded elsewhere unless max_tokens or the model's length end it at its first token
+                    remote = params.max_tokens > 1 and len(token_ids) + 1 < engine.max_model_len
+                    request.kv_transfer_params = {"do_remote_decode": remote}
                     engine.add_request(request)
                 continue
-            self.finishing.clear()
-            for output in engine.step():
-                self._hand_off(output)
+            outputs = engine.step()
+            sent = {self._send(saved.request, saved.kv) for saved in engine.kv_connector.take_saved()}
+            for output in outputs:
+                del self.original_params[output.request_id]
+                if output.request_id not in sent:
+                    self.tell_caller("done", output)  # its first token ended it
             self.heartbeat()
 
-    def _hand_off(self, output: RequestOutput) -> None:
-        """The prompt is done and its first token sampled: finish it here, or send it to the decode worker."""
-        engine = self.engine
-        params = self.original_params.pop(output.request_id)
-        seq, table = self.finishing.pop(output.request_id)
-        completion = output.outputs[0]
-        if (completion.finish_reason == "stop" or params.max_tokens == 1
-                or seq.num_tokens >= engine.max_model_len):  # the first token ends it
-            self.tell_caller("done", output)
-            return
-        num_blocks = cdiv(seq.num_prompt_tokens, engine.block_manager.block_size)
-        kv = engine.kv_cache.storage[:, :, table[:num_blocks]]  # [2, layers, num_blocks, block_size, heads, dim]
+    def _send(self, request, kv: torch.Tensor) -> str:
+        """A request to the decode worker: its header over the pipe, its prompt's blocks kv [2, layers, num_blocks,
+        block_size, heads, dim] over torch.distributed. Returns its id."""
         if self.host_staging:
             kv = kv.cpu()
-        generator_state = None if seq.generator is None else seq.generator.get_state()
-        self.peer.send(("handoff", Handoff(output.request_id, output.prompt, output.prompt_token_ids, params,
-                                           output.metrics, completion.token_ids[0], generator_state, num_blocks,
-                                           kv_digest(kv) if self.verify else None)))
+        params = self.original_params[request.request_id]
+        self.peer.send(("handoff", Handoff(request.request_id, request.prompt, request.prompt_token_ids, params,
+                                           request.metrics, kv.shape[2], kv_digest(kv) if self.verify else None)))
         dist.send(kv, dst=DECODE_RANK)
+        return request.request_id
 
 
 class DecodeWorker(_Worker):
-    """Takes handed-off requests into its own pool as blocks free up, and decodes them to the end."""
+    """Takes handed-off requests in as its pool has room for them, and decodes them to the end: its engine's
+    KVConsumer holds their blocks until the scheduler admits them, then loads them into the pool."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -254,27 +246,28 @@ class DecodeWorker(_Worker):
             self.heartbeat()
 
     def _has_room(self, handoff: Handoff) -> bool:
-        scheduler = self.engine.scheduler
+        """Whether a seat and the free blocks wait for it, after those the requests already waiting will take."""
+        scheduler, manager = self.engine.scheduler, self.engine.block_manager
         if len(scheduler.running) + len(scheduler.waiting) >= scheduler.max_num_seqs:
             return False
-        num_tokens = len(handoff.prompt_token_ids)
-        return self.engine.block_manager.can_allocate(num_tokens + 1) is AllocStatus.OK  # room for a decode step
+        lengths = [seq.num_tokens for seq in scheduler.waiting] + [len(handoff.prompt_token_ids)]
+        return sum(cdiv(n + 1, manager.block_size) for n in lengths) <= manager.num_free_blocks  # and a decode step
 
     def _receive(self, handoff: Handoff) -> None:
+        """The request's blocks into a staging buffer, given to the connector; the request into the engine, its
+        first token to be sampled here (its metrics keep when it arrived and was first scheduled)."""
         engine = self.engine
         start = time.perf_counter()
         storage = engine.kv_cache.storage                     # [2, layers, num_blocks, block_size, heads, dim]
         shape = (2, storage.shape[1], handoff.num_blocks, *storage.shape[3:])
         staging = torch.empty(shape, dtype=storage.dtype, device="cpu" if self.host_staging else storage.device)
         dist.recv(staging, src=PREFILL_RANK)
-        request = Request(handoff.request_id, handoff.prompt, handoff.prompt_token_ids, handoff.params,
-                          handoff.metrics)
-        block_ids = engine.add_prefilled_request(request, handoff.first_token)
-        storage[:, :, block_ids] = staging.to(storage.device)
-        if handoff.generator_state is not None:
-            request.seqs[0].generator.set_state(handoff.generator_state)
         seconds = time.perf_counter() - start
-        received = kv_digest(storage[:, :, block_ids]) if self.verify else None
+        metrics = RequestMetrics(handoff.metrics.arrival_time, handoff.metrics.first_scheduled_time)
+        engine.kv_connector.receive(handoff.request_id, staging)
+        engine.add_request(Request(handoff.request_id, handoff.prompt, handoff.prompt_token_ids, handoff.params,
+                                   metrics))
+        received = kv_digest(staging) if self.verify else None
         self.tell_caller("transfer", {"request_id": handoff.request_id, "num_blocks": handoff.num_blocks,
                                       "num_bytes": staging.numel() * staging.element_size(), "seconds": seconds,
                                       "sent_digest": handoff.digest, "received_digest": received})
@@ -300,7 +293,7 @@ def check_engine_args(config, block_size: int, device: torch.device, engine_args
     Returns the engines' EngineConfig and the arguments that build the model (dtype, attention_backend)."""
     from .engine import LLM, pool_blocks
     parameters = inspect.signature(LLM).parameters
-    taken = {"model", "tokenizer", "block_size", "device", "config"}  # DisaggregatedLLM's own arguments
+    taken = {"model", "tokenizer", "block_size", "device", "config", "kv_connector"}  # DisaggregatedLLM's own
     for name in engine_args:
         if name not in parameters or name in taken:
             raise ValueError(f"{name!r} is not an engine argument of DisaggregatedLLM; engine_args may be "

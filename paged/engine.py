@@ -6,6 +6,9 @@
 anything is queued, so a bad prompt raises a `ValueError` and leaves the engine as it was. A step happens whole or
 not at all (`LLMEngine.transaction`): if anything in it raises (KeyboardInterrupt, an error while scheduling, in a
 forward observer, the forward pass, sampling, or detokenizing), the engine is put back as it was before the step.
+A KV connector (`kv_connector.py`, guide §15) is called at fixed points: the scheduler asks it what it can load when
+it admits a request and whether to keep a finished request's blocks; the step loads before the forward pass, and saves
+what was kept after the update, which frees it.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from .geometry import KVGeometry
 from .validation import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
+from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
 from .models import load_model
@@ -32,9 +36,11 @@ from .speculative import Speculator, resolve_draft
 
 class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
-                 clock=time.perf_counter, draft_model: PagedLlama | None = None, **settings):
+                 clock=time.perf_counter, draft_model: PagedLlama | None = None,
+                 kv_connector: KVConnector | None = None, **settings):
         """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
-        draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it)."""
+        draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it).
+        kv_connector: where K/V come from or go to besides this pool (kv_connector.py; None: nowhere)."""
         if config is None:
             config = EngineConfig(**settings)
         elif settings:
@@ -54,8 +60,10 @@ class LLMEngine:
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, config.block_size,
                                 dtype=model.dtype, device=self.device)
         self.swap_space, self.prefix_tier = config.offload.build(self.block_manager, self.kv_cache)  # guide §15
-        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device)
+        self.lora = LoRAManager(model, config) if config.enable_lora else None
+        self.kv_connector = kv_connector or KVConnector()
+        self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device,
+                                   self.kv_connector)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -106,20 +114,6 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.requests[request.request_id] = request
         return request.request_id
-
-    def add_prefilled_request(self, request: Request, first_token: int) -> list[int]:
-        """Start a request whose prompt K/V were computed elsewhere (disaggregated decode, guide §15): its blocks
-        are allocated here and returned, for the caller to fill before the next step; the sequence runs from its
-        first token, sampled by whoever ran the prompt. One completion only; raises NoFreeBlocksError if the pool
-        has no room now (check can_allocate first)."""
-        if request.request_id in self.requests or request.seqs:
-            raise ValueError(f"request_id {request.request_id!r} is already in use (or the request was added "
-                             f"before); make a new request")
-        if request.params.n != 1:
-            raise ValueError(f"n must be 1 for a prefilled request, got {request.params.n}")
-        block_ids = self.scheduler.add_prefilled_request(request, first_token)
-        self.requests[request.request_id] = request
-        return block_ids
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks return to the pool at once. An unknown or finished id is ignored."""
@@ -175,6 +169,8 @@ class LLMEngine:
         tokens = self._sample(sampled, logits)
         finished = self.scheduler.update_from_output(plan, list(zip([seq for seq, _ in sampled], tokens)),
                                                      now=self.clock())
+        self.kv_connector.wait_for_save(self.kv_cache)  # the blocks of requests handed over, saved and freed
+        self.scheduler.update_from_kv_xfer_finished(self.kv_connector.get_finished())
         self._release_drafts()
         return [self._finish_request(request) for request in {seq.request.request_id: seq.request
                                                               for seq in finished}.values()
@@ -185,10 +181,11 @@ class LLMEngine:
         """Whatever runs inside happens whole or not at all: if it raises (KeyboardInterrupt included), the engine
         is put back as it was when it began, and the exception goes on. Put back: the requests in flight, their
         sequences and metrics, the scheduler's queues, the block manager (tables, ref counts, free blocks, the
-        prefix cache's names), the tiers' indexes, the draft pool, the LoRA slots, the sampling generators and
-        every count. K/V tensors are not copied: a step writes past the computed tokens of every sequence it
-        began with, except in blocks and tier slots it took for fresh use. If it got as far as writing, those
-        lose their cached names, and a sequence it preempted whose blocks it gave to another is recomputed.
+        prefix cache's names), the tiers' indexes, the draft pool, the LoRA slots, the KV connector's queues, the
+        sampling generators and every count. K/V tensors are not copied: a step writes past the computed tokens of
+        every sequence it began with, except in blocks and tier slots it took for fresh use. If it got as far as
+        writing, those lose their cached names, and a sequence it preempted whose blocks it gave to another is
+        recomputed.
         step() is one; each step of a beam search too."""
         saved = self._begin()
         try:
@@ -200,7 +197,7 @@ class LLMEngine:
 
     def _begin(self) -> tuple:
         self.block_manager.begin()
-        for part in (self.swap_space, self.prefix_tier, self.speculator):
+        for part in (self.swap_space, self.prefix_tier, self.speculator, self.kv_connector):
             if part is not None:
                 part.begin()
         self._kv_written = False
@@ -213,7 +210,7 @@ class LLMEngine:
 
     def _commit(self) -> None:
         self.block_manager.commit()
-        for part in (self.swap_space, self.prefix_tier, self.speculator):
+        for part in (self.swap_space, self.prefix_tier, self.speculator, self.kv_connector):
             if part is not None:
                 part.commit()
 
@@ -229,6 +226,7 @@ class LLMEngine:
             self.prefix_tier.rollback(self._kv_written)
         if self.speculator is not None:
             self.speculator.rollback()
+        self.kv_connector.rollback()
         self.scheduler.restore(scheduler_state, lost)
         self.generator.set_state(generator_state)
         if lora is not None:
@@ -297,6 +295,7 @@ class LLMEngine:
         inputs = step_inputs(self.block_manager, plan.batch, self.device)
         self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
         self.apply_copies(plan)
+        self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
                                     inputs.logits_indices, lora=lora_batch)
         if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
@@ -400,8 +399,9 @@ class LLM:
                  speculative_config: dict | None = None, swap_space: float = 1.0,
                  kv_offloading_size: float | None = None, kv_offload_dir: str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 config: EngineConfig | None = None):
-        """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords."""
+                 config: EngineConfig | None = None, kv_connector=None):
+        """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords.
+        kv_connector: a KVProducer or KVConsumer (kv_connector.py), as disaggregation's workers use."""
         arguments = locals()
         config = config or EngineConfig(**{name: arguments[name] for name in SETTINGS})  # checks them all
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -411,7 +411,7 @@ class LLM:
         draft = None
         if config.speculative is not None and config.speculative.method == "draft_model":
             draft = resolve_draft(config.speculative, target, backend)
-        self.engine = LLMEngine(target, tokenizer, config, draft_model=draft)
+        self.engine = LLMEngine(target, tokenizer, config, draft_model=draft, kv_connector=kv_connector)
         self.tokenizer = tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -401,9 +401,10 @@ class LoRAManager:
     """The host registry (every adapter requested so far, checked and read once), the device slots, and the step
     plumbing: which adapter a request runs under, and the LoRABatch for each forward pass."""
 
-    def __init__(self, model, max_loras: int = 1, max_lora_rank: int = 16, kernel: str | None = None):
-        self.max_loras = integer("max_loras", max_loras, low=1, high=MAX_LORAS)
-        self.max_lora_rank = integer("max_lora_rank", max_lora_rank, low=1, high=MAX_LORA_RANK)
+    def __init__(self, model, config, kernel: str | None = None):
+        """config: the engine's EngineConfig, whose max_loras and max_lora_rank it checked; only whether the slots
+        fit the device's memory is checked here, since that needs the model."""
+        self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
         needed, room = LoRASlots.nbytes_for(model, self.max_loras, self.max_lora_rank), available_memory(model.device)
         if room is not None and needed > room:
             raise ValueError(f"max_loras ({self.max_loras}) slots of max_lora_rank ({self.max_lora_rank}) take "

@@ -15,13 +15,17 @@ of dropped, when it holds them alone and the tier has room (else it is recompute
 beside `waiting` and `running`, and swapped sequences come back, their blocks copied in, before any waiting one is
 admitted. With a prefix-cache tier, a prompt's leading blocks that miss the pool may be found there and copied in.
 The scheduler only names the copies; the engine makes them (`offload.py`).
+A KV connector (`kv_connector.py`, guide §15) may serve a prompt's tokens past its prefix-cache hit with K/V computed
+by another engine: the admission asks it how many, allocates their blocks like any others, and tells it which blocks
+to fill. When a sequence finishes, the connector may ask to keep its blocks until it has saved them (to send them to
+another engine); they are freed when it says so (`update_from_kv_xfer_finished`).
 Scheduling happens every iteration, so a finished sequence's slot is reused at the very next step.
 
 The scheduler owns every sequence's state, as vLLM V1's does (guide §17): `schedule()` says what a step computes,
 and after the forward pass and the sampler `update_from_output(plan, sampled)` advances each scheduled sequence's
 `num_computed_tokens`, starts the completions a finished prompt forks (n > 1), rolls a verify back over its rejected
-drafts, appends the sampled tokens, checks the stop conditions, and frees the sequences that finished. Forks (beam
-search) and prefilled admissions (disaggregation) go through it too.
+drafts, appends the sampled tokens, checks the stop conditions, and frees the sequences that finished. Beam search's
+forks and chosen tokens go through it too.
 """
 
 import itertools
@@ -32,6 +36,7 @@ import torch
 
 from .block_manager import AllocStatus, BlockManager
 from .config import EngineConfig
+from .kv_connector import KVConnector, KVConnectorMetadata
 from .sequence import Request, Sequence, SequenceStatus
 
 
@@ -49,6 +54,7 @@ class SchedulerOutput:
     decodes: set[int] = field(default_factory=set)  # seq_ids computing their newest token, an output token
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): a prompt this step
     # ends forks its request's other completions; they sample from its logits row and run from the next step
+    kv_connector_metadata: KVConnectorMetadata | None = None  # the K/V the connector loads before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,8 +63,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_space=None, prefix_tier=None,
-                 device: torch.device | str = "cpu"):
-        """config: the limits (EngineConfig, checked when it was made); swap_space, prefix_tier: offload.py's."""
+                 device: torch.device | str = "cpu", kv_connector: KVConnector | None = None):
+        """config: the limits (EngineConfig, checked when it was made); swap_space, prefix_tier: offload.py's;
+        kv_connector: kv_connector.py's (None: one that moves nothing)."""
         self.config = config
         self.block_manager = block_manager
         self.max_num_seqs = config.max_num_seqs
@@ -70,6 +77,8 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks in swap_space (offload.SwapSpace)
         self.swap_space = swap_space
         self.prefix_tier = prefix_tier           # offload.PrefixTier, or None
+        self.kv_connector = kv_connector or KVConnector()
+        self.sending: dict[str, list[int]] = {}  # request_id -> seq_ids of finished sequences whose blocks are kept
         self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
         self.prefix_query_tokens = 0   # prompt tokens admitted
         self.num_preemptions = 0
@@ -92,18 +101,6 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue the request's first sequence; its other completions fork when its prompt is done."""
         self.waiting.append(self.new_sequence(request))
-
-    def add_prefilled_request(self, request: Request, first_token: int) -> list[int]:
-        """Admit a request whose prompt K/V were computed elsewhere (disaggregated decode, guide §15) and whose
-        first token was sampled there: its blocks are allocated now and returned, for the caller to fill before
-        the next step. Raises NoFreeBlocksError if the pool has no room (check can_allocate first)."""
-        seq = self.new_sequence(request)
-        block_ids = list(self.block_manager.allocate(seq.seq_id, seq.num_tokens))
-        seq.num_computed_tokens = seq.num_tokens
-        seq.token_ids.append(first_token)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        return block_ids
 
     def fork(self, parent: Sequence, child: Sequence | None = None) -> Sequence:
         """A running copy of parent's accepted state (child, or a new completion of its request) that shares its
@@ -152,6 +149,8 @@ class Scheduler:
             tier_hits = [] if self.prefix_tier is None else \
                 self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
             num_cached = (len(hits) + len(tier_hits)) * self.block_manager.block_size
+            num_external = self.kv_connector.get_num_new_matched_tokens(seq.request, num_cached)
+            num_cached += num_external  # tokens whose K/V the connector loads before the step
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not (self.enable_chunked_prefill or seq.num_preemptions > 0):
@@ -159,7 +158,9 @@ class Scheduler:
                 num_new = budget
             if self.block_manager.can_allocate(num_cached + num_new, seq.seq_id, hits) is not AllocStatus.OK:
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.block_manager.allocate(seq.seq_id, num_cached + num_new, hits)
+            table = self.block_manager.allocate(seq.seq_id, num_cached + num_new, hits)
+            if num_external:
+                self.kv_connector.update_state_after_alloc(seq.request, list(table), num_external)
             if tier_hits:  # copied in before the step, and named in the pool's cache at once
                 loads, loaded = self.prefix_tier.load(seq.seq_id, len(hits), tier_hits)
                 out.blocks_to_load += loads
@@ -174,6 +175,7 @@ class Scheduler:
             self.prefix_hit_tokens += len(hits) * self.block_manager.block_size
             self.prefix_query_tokens += seq.num_tokens
         out.blocks_to_copy = self.block_manager.take_pending_copies()
+        out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         out.batch = sorted(out.scheduled, key=self._batch_order)
         for seq, num_new in out.batch:  # a prompt this step ends forks the other completions
             if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids):
@@ -276,7 +278,8 @@ class Scheduler:
         """The queues and counts, for a step that may be undone (LLMEngine.transaction); the sequences in the
         queues are kept by their requests."""
         return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
-                self.prefix_query_tokens, self.num_preemptions, self.next_seq_id)
+                self.prefix_query_tokens, self.num_preemptions, self.next_seq_id,
+                {request_id: list(seq_ids) for request_id, seq_ids in self.sending.items()})
 
     def may_change(self):
         """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
@@ -288,7 +291,7 @@ class Scheduler:
         """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
         the undone step overwrote, go to the head of the queue to be recomputed, as after a preemption."""
         self.running, self.waiting, self.swapped, self.prefix_hit_tokens, self.prefix_query_tokens, \
-            self.num_preemptions, self.next_seq_id = state
+            self.num_preemptions, self.next_seq_id, self.sending = state
         for seq in [seq for seq in self.swapped if seq.seq_id in lost][::-1]:
             self.swapped.remove(seq)
             self.swap_space.discard(seq.seq_id)
@@ -351,10 +354,21 @@ class Scheduler:
         return True
 
     def finish(self, seqs: list[Sequence]) -> None:
-        """Free the blocks of sequences that just finished and drop them from the running list."""
+        """Free the blocks of sequences that just finished and drop them from the running list; blocks the KV
+        connector asks to keep stay in their table until update_from_kv_xfer_finished."""
         for seq in seqs:
-            self.block_manager.free(seq.seq_id)
+            table = self.block_manager.block_tables.get(seq.seq_id, [])
+            if self.kv_connector.request_finished(seq.request, list(table)):
+                self.sending.setdefault(seq.request.request_id, []).append(seq.seq_id)
+            else:
+                self.block_manager.free(seq.seq_id)
         self.running = [seq for seq in self.running if not seq.is_finished]
+
+    def update_from_kv_xfer_finished(self, request_ids) -> None:
+        """The KV connector has saved the kept blocks of these requests (get_finished): free them."""
+        for request_id in request_ids:
+            for seq_id in self.sending.pop(request_id):
+                self.block_manager.free(seq_id)
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -55,7 +55,7 @@ def test_greedy_tokens_equal_transformers(pair, tiny_model):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 24, stop_at_eos=False)
         assert out.outputs[0].finish_reason == "length"
-        times = out.metrics.token_times  # the first from the prefill worker, the rest from the decode worker
+        times = out.metrics.token_times  # all from the decode worker, which samples the first token again
         assert len(times) == 24 and times == sorted(times) and times[0] == out.metrics.first_token_time
         assert out.metrics.arrival_time <= times[0] <= out.metrics.finished_time
 
@@ -73,9 +73,9 @@ def test_greedy_with_eos_and_a_crowded_decode_pool_equals_colocated(pair, tiny_m
         assert len(out.metrics.token_times) == len(out.outputs[0].token_ids)
 
 
-def test_seeded_sampling_continues_the_first_tokens_generator(pair, tiny_model):
-    """The prefill worker draws the first token; the generator's state travels with the request, so the decode
-    worker draws the rest from the same stream as the colocated LLM."""
+def test_seeded_sampling_draws_the_colocated_stream(pair, tiny_model):
+    """The decode worker's sequence seeds its generator from the request's seed, as the colocated LLM's does, and
+    draws every token from it, the first one again (the prefill worker drew it only to learn whether to go on)."""
     prompts = random_prompts(4, seed=3)
     params = [SamplingParams(max_tokens=16, temperature=1.0, seed=100 + i) for i in range(4)]
     expected = make_tiny_llm(tiny_model).generate(prompts, params, use_tqdm=False)
@@ -95,7 +95,7 @@ def test_blocks_arrive_bit_exact_and_only_the_prompts_blocks_move(pair, tiny_mod
         record = by_id[out.request_id]
         assert record["num_blocks"] == cdiv(len(prompt), BLOCK_SIZE)
         assert record["num_bytes"] == record["num_blocks"] * geometry.block_bytes(BLOCK_SIZE)
-        assert record["received_digest"] == record["sent_digest"]  # what the pool holds is what was sent
+        assert record["received_digest"] == record["sent_digest"]  # what arrived is what was sent
     assert len({t["sent_digest"] for t in log}) == len(log)  # each request's K/V differ
     stats = pair.transfer_stats()
     assert stats["blocks_sent"] == sum(t["num_blocks"] for t in pair.transfer_log())

@@ -150,21 +150,6 @@ def test_a_preempted_sequence_is_recomputed_and_ends_with_the_same_tokens():
     assert scheduler.block_manager.num_free_blocks == 4
 
 
-def test_a_prefilled_request_runs_from_its_first_token_and_a_fork_shares_its_state():
-    scheduler = make_scheduler()
-    request = Request("p", None, [4, 5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=4),
-                      RequestMetrics(arrival_time=0.0))
-    block_ids = scheduler.add_prefilled_request(request, first_token=9)
-    seq = request.seqs[0]
-    assert len(block_ids) == 2 and scheduler.running == [seq]
-    assert seq.num_computed_tokens == 5 and seq.token_ids[-1] == 9
-    plan, _ = step(scheduler)
-    assert plan.scheduled == [(seq, 1)] and seq.output_token_ids == [9, 7]
-    child = scheduler.fork(seq)                                # as beam search does, between two steps
-    assert child.token_ids == seq.token_ids and child.num_computed_tokens == 6
-    assert scheduler.block_manager.block_tables[child.seq_id] == scheduler.block_manager.block_tables[seq.seq_id]
-
-
 def test_a_checkpoint_restores_queues_and_the_next_sequence_id():
     scheduler = make_scheduler()
     add(scheduler, [1, 2, 3], "a")

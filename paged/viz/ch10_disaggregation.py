@@ -1,9 +1,11 @@
 """Chapter 10's disaggregation pictures (guide §15): the prefill-to-decode handoff drawn block by block, and the
 gaps between a running request's tokens, colocated against disaggregated.
 
-A handoff is replayed on two BlockManagers, one per worker, exactly as paged/disagg.py drives them: the prefill
-worker's table holds the prompt's blocks; the decode worker allocates as many blocks of its own (other ids: its
-pool is another pool), receives them, and the prefill worker's blocks go back to its free queue.
+A handoff is replayed on two BlockManagers, one per worker, as paged/disagg.py drives them: the prefill worker's
+table holds the prompt's blocks; the decode worker allocates as many blocks of its own (other ids: its pool is
+another pool) and its KV connector fills them with the blocks received, and the prefill worker's blocks go back to
+its free queue. (The decode worker receives the blocks into a staging buffer first, and fills its own when its
+scheduler admits the request; the frames draw both as one move per block.)
 """
 
 import html
