@@ -33,7 +33,8 @@ load() {   # load LABEL: one run of serve_bench.py per rate against the server o
 }
 
 echo "== python -m paged serve (cores $CORES)"
-taskset -c "$CORES" $PY -m paged serve --port "$PORT" --served-model-name smollm2 & server=$!
+# SERVE_ARGS: options for this engine's server (python -m paged serve --help), e.g. "--enable-chunked-prefill"
+taskset -c "$CORES" $PY -m paged serve --port "$PORT" --served-model-name smollm2 ${SERVE_ARGS:-} & server=$!
 wait_healthy
 load paged
 stop
