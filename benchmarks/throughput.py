@@ -31,7 +31,8 @@ import torch
 
 from paged import LLM, SamplingParams
 from paged.models import chat_prompt, load_hf_model
-from paged.packed_linear import linear, pack
+from paged.model import PagedLlama
+from paged.packed_linear import linear
 from paged.traces import sharegpt_trace
 
 TOPICS = ["the ocean", "volcanoes", "the history of tea", "black holes", "bees", "the printing press", "jazz",
@@ -125,13 +126,9 @@ class Matmuls:
     the weights packed as the engine packs them (paged/packed_linear.py)."""
 
     def __init__(self, model):
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(tuple(map(pack, (
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))))
-        self.lm_head = pack(model.lm_head.weight)
+        paged = PagedLlama(model)   # the engine's own fused (and, where it packs, packed) weights
+        self.layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in paged.layers]
+        self.lm_head = paged.lm_head
         self.hidden_size = model.config.hidden_size
 
     @torch.no_grad()
