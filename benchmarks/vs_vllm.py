@@ -17,7 +17,8 @@ Workloads, as in benchmarks/throughput.py:
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
 percentiles, and how many completions are token-identical; where one is not, the first position that differs and
 the logit margin there under transformers in the same dtype (a near-tie is two correct engines rounding
-differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json with the CPU and versions.
+differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json with the CPU and versions;
+a configuration measured by an earlier run and not by this one is kept there, with the command and date that made it.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
+# Every configuration `make bench-vllm` measures: (workload, dtype, threads).
+MATRIX = [(w, d, t) for w in ("fixed", "steady", "prefix") for d in ("float32", "bfloat16") for t in (1, 2)]
 SYSTEM_PROMPT = " ".join(["You are a careful assistant: answer briefly, give reasons, and keep to the facts."] * 25)
 
 
@@ -210,16 +213,27 @@ def report(row: dict) -> None:
               f"logit margin {difference['margin']:+.4f}")
 
 
-def save(rows: list[dict], out: str, planned: int) -> None:
+def save(rows: list[dict], out: str) -> None:
+    """Writes this run's configurations into the results file, keeping those of earlier runs that this one did not
+    measure again; each configuration carries the command and the date that measured it."""
     import torch
     import transformers
-    result = {"command": "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "cpu": cpu_description(),
+    command = "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:])
+    for row in rows:
+        row.setdefault("command", command)
+        row.setdefault("date", time.strftime("%Y-%m-%d"))
+    key = lambda row: (row["workload"], row["dtype"], row["threads"])
+    path = Path(out)
+    earlier = json.loads(path.read_text())["configurations"] if path.exists() else []
+    measured = {key(row): row for row in earlier} | {key(row): row for row in rows}
+    order = {k: i for i, k in enumerate(MATRIX)}
+    result = {"cpu": cpu_description(),
               "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
                            **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
-              "configurations_planned": planned, "configurations": rows}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+              "configurations_asked": len(MATRIX),
+              "configurations": sorted(measured.values(), key=lambda row: order.get(key(row), len(order)))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main():
@@ -255,7 +269,7 @@ def main():
                                     ablations=args.ablations and not rows))
                 report(rows[-1])
                 # after every configuration, so that a run stopped early keeps what it measured
-                save(rows, args.out, planned=len(specs) * len(args.dtypes) * len(args.threads))
+                save(rows, args.out)
     print(f"\nwritten: {args.out}")
 
 
