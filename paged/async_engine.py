@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from .engine import LLMEngine
 from .validation import prompt_token_ids
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 from .sequence import RequestMetrics
 
 IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
@@ -43,6 +43,7 @@ class CompletionDelta:
     text: str                     # new text, whole characters only
     token_ids: list[int]          # new token ids
     finish_reason: str | None     # "stop" or "length" on its last delta, else None
+    logprobs: list[dict[int, Logprob]] | None = None   # one per new token, when SamplingParams.logprobs asked
 
 
 @dataclass
@@ -86,9 +87,10 @@ class CompletionTracker:
     """The loop's view of one completion: the tokens sent, its text, its stop strings. With stop strings, the
     last (longest stop string - 1) characters are held back until the next token shows they do not begin one."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], logprobs: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop = stop
+        self.logprobs = logprobs  # pass on the sequence's log-probabilities with its tokens
         self.hold = max(map(len, stop), default=1) - 1
         self.num_sent = 0
         self.text = ""            # decoded so far
@@ -102,6 +104,7 @@ class CompletionTracker:
         new_ids = seq.output_token_ids[self.num_sent:]
         if not new_ids and not seq.is_finished:
             return None
+        logprobs = seq.logprobs[self.num_sent:] if self.logprobs else None
         self.num_sent += len(new_ids)
         finish = seq.finish_reason if seq.is_finished else None
         searched = len(self.text)
@@ -115,7 +118,7 @@ class CompletionTracker:
         delta = self.text[self.num_emitted:max(end, self.num_emitted)]
         self.num_emitted += len(delta)
         self.finish_reason = finish
-        return CompletionDelta(seq.index, delta, new_ids, finish)
+        return CompletionDelta(seq.index, delta, new_ids, finish, logprobs)
 
 
 class _Stream:
@@ -268,7 +271,8 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
             return
         stream.request = request
-        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop) for _ in range(params.n)]
+        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop, params.logprobs is not None)
+                              for _ in range(params.n)]
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 

@@ -482,8 +482,13 @@ class DisaggregatedLLM:
             with tqdm(total=len(batch), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while len(done) < len(batch):
                     _, kind, payload = self._next_message()
-                    if kind == "done":
-                        payload.outputs[0].text = self._decode(payload.outputs[0].token_ids)
+                    if kind == "done":   # the workers have no tokenizer: the text is made here
+                        completion = payload.outputs[0]
+                        completion.text = self._decode(completion.token_ids)
+                        if completion.logprobs and self.tokenizer is not None:
+                            for entry in completion.logprobs:
+                                for token_id, logprob in entry.items():
+                                    logprob.decoded_token = self.tokenizer.decode([token_id])
                         done[payload.request_id] = payload
                         bar.update()
                     elif kind == "transfer":

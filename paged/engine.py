@@ -28,7 +28,7 @@ from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
 from .models import load_model
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .speculative import Speculator, resolve_draft
@@ -167,8 +167,11 @@ class LLMEngine:
         row_of = {seq.seq_id: row for seq, row in sampled}
         sampled += [(child, row_of[parent.seq_id]) for parent, child in plan.forks]  # forks sample from its row
         tokens = self._sample(sampled, logits)
+        logprobs = self._logprobs(sampled, tokens, logits)
         finished = self.scheduler.update_from_output(plan, list(zip([seq for seq, _ in sampled], tokens)),
                                                      now=self.clock())
+        for (seq, _), entries in zip(sampled, logprobs):  # as many as the update appended (a stop may cut a verify)
+            seq.logprobs += entries[:len(seq.output_token_ids) - len(seq.logprobs)]
         self.kv_connector.wait_for_save(self.kv_cache)  # the blocks of requests handed over, saved and freed
         self.scheduler.update_from_kv_xfer_finished(self.kv_connector.get_finished())
         self._release_drafts()
@@ -267,6 +270,26 @@ class LLMEngine:
                 self.speculator.record(seq, tokens[i])
         return tokens
 
+    def _logprobs(self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]],
+                  logits: torch.Tensor) -> list[list[dict]]:
+        """For each sequence whose params ask for logprobs, one entry per token it is about to append: token j of
+        a sequence came from its row + j (one row, or the rows that verified its drafts)."""
+        wanted = [i for i, (seq, _) in enumerate(sampled) if seq.params.logprobs is not None]
+        entries = [[] for _ in sampled]
+        if not wanted:
+            return entries
+        rows = [sampled[i][1] + j for i in wanted for j in range(len(tokens[i]))]
+        flat = token_logprobs(logits.index_select(0, torch.tensor(rows, device=logits.device)),  # [len(rows), vocab]
+                              [token for i in wanted for token in tokens[i]],
+                              [sampled[i][0].params.logprobs for i in wanted for _ in tokens[i]])
+        if self.tokenizer is not None:
+            for entry in flat:
+                for token_id, logprob in entry.items():
+                    logprob.decoded_token = self.tokenizer.decode([token_id])
+        for i in wanted:
+            entries[i], flat = flat[:len(tokens[i])], flat[len(tokens[i]):]
+        return entries
+
     def _release_drafts(self) -> None:
         if self.speculator is not None:
             self.speculator.release({seq.seq_id for seq in self.scheduler.running})
@@ -322,8 +345,15 @@ class LLMEngine:
         return self.output_of(request)
 
     def output_of(self, request: Request) -> RequestOutput:
-        outputs = [CompletionOutput(seq.index, self._decode(seq.output_token_ids), list(seq.output_token_ids),
-                                    seq.finish_reason) for seq in request.seqs]
+        outputs = []
+        for seq in request.seqs:
+            output = CompletionOutput(seq.index, self._decode(seq.output_token_ids), list(seq.output_token_ids),
+                                      seq.finish_reason)
+            if seq.params.logprobs is not None:
+                output.logprobs = list(seq.logprobs)
+                output.cumulative_logprob = sum(entry[token].logprob
+                                                for entry, token in zip(seq.logprobs, seq.output_token_ids))
+            outputs.append(output)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.is_finished, request.metrics)
 

@@ -1,7 +1,9 @@
 """Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p (vLLM's names and meanings).
 
 One call samples the next token of every sequence in the step. Rows that ask for a seed draw from their own
-generator, so their text does not depend on which other requests share the batch.
+generator, so their text does not depend on which other requests share the batch. A request with `logprobs` also
+gets each sampled token's log-probability and its `logprobs` most likely alternatives (`token_logprobs`), taken, as
+vLLM does by default, from the model's raw logits: before temperature, top-k or top-p reshape them.
 """
 
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from .validation import integer, real, token_id_list
 
 GREEDY_TEMPERATURE = 1e-5   # below it, sampling is greedy
 MAX_SEED = 2**63 - 1        # a generator's seed; completion i of a request draws from seed + i
+MAX_LOGPROBS = 20           # alternatives per token at most (vLLM's default max_logprobs; OpenAI's top_logprobs)
 
 
 @dataclass
@@ -24,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False          # keep going past the end-of-sequence token
     seed: int | None = None           # per-request random seed
     stop_token_ids: list[int] | None = None
+    logprobs: int | None = None       # per output token: its log-probability and this many most likely others
 
     def __post_init__(self):
         self.n = integer("n", self.n, low=1)
@@ -43,6 +47,8 @@ class SamplingParams:
             self.seed = integer("seed", self.seed, low=0, high=MAX_SEED)
         self.stop_token_ids = token_id_list(
             "stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
+        if self.logprobs is not None:
+            self.logprobs = integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 with greedy sampling (temperature < {GREEDY_TEMPERATURE}): its {self.n} "
                              f"completions would all be the same; got n={self.n}")
@@ -51,6 +57,35 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures this close to 0 are greedy, as in vLLM: dividing logits by them overflows."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability under the model (vLLM's Logprob). rank 1 is the model's most likely token."""
+    logprob: float
+    rank: int
+    decoded_token: str | None = None   # the token's own text, as the tokenizer decodes it alone
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[dict[int, Logprob]]:
+    """For each row: the chosen token's log-probability and rank, then the num_top[row] most likely tokens', in
+    rank order (the chosen one is not repeated when it is among them).
+
+    logits [rows, vocab], raw (no temperature); token_ids, num_top: one per row.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                                  # [rows, vocab]
+    chosen = torch.tensor(token_ids, device=logits.device)[:, None]                       # [rows, 1]
+    chosen_logprobs = logprobs.gather(1, chosen)                                          # [rows, 1]
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1                                  # [rows]
+    top_logprobs, top_ids = logprobs.topk(max(num_top), dim=-1)                           # [rows, max k]
+    entries = []
+    for row, (token, logprob, rank, k) in enumerate(zip(token_ids, chosen_logprobs[:, 0].tolist(), ranks.tolist(),
+                                                        num_top)):
+        entry = {token: Logprob(logprob, rank)}
+        for i, (other, other_logprob) in enumerate(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist())):
+            entry.setdefault(other, Logprob(other_logprob, i + 1))
+        entries.append(entry)
+    return entries
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

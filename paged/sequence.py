@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +35,7 @@ class Sequence:
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] draft's q, when sampled
+        self.logprobs: list[dict[int, Logprob]] = []  # one per output token, when params.logprobs asks for them
 
     @property
     def params(self) -> SamplingParams:
@@ -62,16 +63,18 @@ class Sequence:
         return 1 + self.params.n - len(self.request.seqs)
 
     def checkpoint(self) -> tuple:
-        """What an undone engine step puts back (LLMEngine.transaction). A step only appends to token_ids, so
-        their count is enough; a seeded generator's state is kept too, so a sample drawn is drawn again."""
-        return (len(self.token_ids), self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions,
-                list(self.spec_token_ids), self.spec_draft_probs,
+        """What an undone engine step puts back (LLMEngine.transaction). A step only appends to token_ids and
+        logprobs, so their counts are enough; a seeded generator's state is kept too, so a sample drawn is drawn
+        again."""
+        return (len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status, self.finish_reason,
+                self.num_preemptions, list(self.spec_token_ids), self.spec_draft_probs,
                 None if self.generator is None else self.generator.get_state())
 
     def restore(self, state: tuple) -> None:
-        num_tokens, self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions, \
+        num_tokens, num_logprobs, self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions, \
             self.spec_token_ids, self.spec_draft_probs, generator_state = state
         del self.token_ids[num_tokens:]
+        del self.logprobs[num_logprobs:]
         if generator_state is not None:
             self.generator.set_state(generator_state)
 
@@ -150,6 +153,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None   # one per token, when SamplingParams.logprobs asked
+    cumulative_logprob: float | None = None            # the sum of the chosen tokens' log-probabilities
 
 
 @dataclass

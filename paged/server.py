@@ -13,9 +13,12 @@ requests come and go, so every client shares every step. Routes, as vLLM's serve
                               end-to-end latency, prompt and generation tokens, finished requests)
 Request fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, top_k, n, seed, stop
 (a string or a list of them), stop_token_ids, ignore_eos (vLLM's extra fields), stream with stream_options
-.include_usage (usage in a last chunk, as OpenAI and vLLM do), and vLLM's return_token_ids (each choice also
-carries its token ids). `logprobs` and `top_logprobs` are not supported: the engine does not keep them, and a
-request asking for them gets a 400 that says so. A request holds one prompt (a batch of prompts is a 400).
+.include_usage (usage in a last chunk, as OpenAI and vLLM do), vLLM's return_token_ids (each choice also
+carries its token ids), and log-probabilities in OpenAI's two shapes: /v1/completions takes `logprobs: N` and
+answers with tokens, token_logprobs, top_logprobs (the chosen token and the N most likely) and text_offset;
+/v1/chat/completions takes `logprobs: true` with `top_logprobs: N` and answers with one entry per token (token,
+logprob, bytes, its N most likely). N is at most 20; the values are the model's, before temperature, top-k and
+top-p (vLLM's default). A request holds one prompt (a batch of prompts is a 400).
 
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
 `data: [DONE]`. A client that disconnects aborts its request: its blocks go back to the pool at once.
@@ -45,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from .async_engine import AsyncLLM, StreamOutput
 from .lora import LoRARequest
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 
 # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -70,8 +73,6 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logprobs: StrictBool | StrictInt | None = None
-    top_logprobs: StrictInt | None = None
     return_token_ids: StrictBool = False
     user: StrictStr | None = None
 
@@ -79,6 +80,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt]
     max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None          # the N most likely tokens at each position, besides the chosen one
 
 
 class ChatMessage(BaseModel):
@@ -90,6 +92,8 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False               # each token's log-probability
+    top_logprobs: StrictInt | None = None      # and its N most likely alternatives (needs logprobs)
 
 
 class BadRequest(Exception):
@@ -114,6 +118,45 @@ def field_of(message: str) -> str | None:
     """The request field a ValueError from the engine names: its messages begin with the argument's name."""
     word = re.match(r"[a-z_]+", message)
     return word.group(0) if word and word.group(0) in REQUEST_FIELDS else None
+
+
+# ---- log-probabilities in OpenAI's two shapes ------------------------------------------------------------------
+
+
+def token_text(token_id: int, logprob: Logprob) -> str:
+    """A token as OpenAI's logprobs name it: its text, or vLLM's "token_id:N" when there is no tokenizer."""
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> tuple[dict, int]:
+    """/v1/completions' logprobs for some tokens (an entry each: the chosen token first, then the most likely):
+    their texts, their log-probabilities, a map of each position's alternatives, and where each token's text
+    begins, counted from text_offset. Returns it and the offset after the last token."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        chosen_id, chosen = next(iter(entry.items()))
+        tokens.append(token_text(chosen_id, chosen))
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({token_text(i, lp): lp.logprob for i, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, text_offset
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], num_top: int) -> dict:
+    """/v1/chat/completions' logprobs: per token its text, log-probability and UTF-8 bytes, and the num_top most
+    likely tokens at its position in the same form."""
+    def item(token_id: int, logprob: Logprob) -> dict:
+        text = token_text(token_id, logprob)
+        return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for entry in entries:
+        chosen_id, chosen = next(iter(entry.items()))
+        ranked = sorted(entry.items(), key=lambda pair: pair[1].rank)[:num_top]
+        content.append({**item(chosen_id, chosen), "top_logprobs": [item(i, lp) for i, lp in ranked]})
+    return {"content": content, "refusal": None}
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------
@@ -272,12 +315,12 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         if body.model != model_name and body.model not in adapters:
             raise BadRequest(f"model {body.model!r} is not served here; the models are "
                              f"{[model_name, *adapters]}", "model")
-        if body.logprobs not in (None, False, 0) or body.top_logprobs not in (None, 0):
-            field = "logprobs" if body.logprobs not in (None, False, 0) else "top_logprobs"
-            raise BadRequest(f"{field} is not supported: this engine does not keep the log-probabilities of the "
-                             f"tokens it samples", field)
         kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
-                  "stop_token_ids": body.stop_token_ids or []}
+                  "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs}
+        if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            kwargs["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
@@ -286,7 +329,10 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         try:
             return SamplingParams(**kwargs)
         except ValueError as error:
-            raise BadRequest(str(error), field_of(str(error))) from None
+            field = field_of(str(error))
+            if field == "logprobs" and isinstance(body, ChatCompletionRequest):   # chat's count is top_logprobs
+                raise BadRequest(str(error).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
+            raise BadRequest(str(error), field) from None
 
     async def start(body: _Common, prompt, max_tokens: int | None, request_id: str):
         params = sampling_params(body, max_tokens)
@@ -336,8 +382,19 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
                 "created": created, "model": body.model}
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
+        text_offsets = collections.defaultdict(int)   # completions' text_offset, per choice, across chunks
+
+        def logprobs_of(index: int, entries) -> dict | None:
+            if entries is None:
+                return None
+            if chat:
+                return chat_logprobs(entries, params.logprobs)
+            shaped, text_offsets[index] = completion_logprobs(entries, text_offsets[index])
+            return shaped
+
         def choice(delta, first: bool) -> dict:
-            out = {"index": delta.index, "logprobs": None, "finish_reason": delta.finish_reason}
+            out = {"index": delta.index, "logprobs": logprobs_of(delta.index, delta.logprobs),
+                   "finish_reason": delta.finish_reason}
             if chat:
                 out["delta"] = ({"role": "assistant", "content": delta.text} if first else
                                 {"content": delta.text} if delta.text or delta.finish_reason is None else {})
@@ -378,15 +435,17 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
             return error_response(f"the engine failed: {error}", None, 500, "internal_error")
         if outputs is None:   # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        texts, token_ids, reasons = {}, {}, {}
+        texts, token_ids, logprobs, reasons = {}, {}, {}, {}
         for output in outputs:
             for delta in output.completions:
                 texts[delta.index] = texts.get(delta.index, "") + delta.text
                 token_ids.setdefault(delta.index, []).extend(delta.token_ids)
+                logprobs.setdefault(delta.index, []).extend(delta.logprobs or [])
                 reasons[delta.index] = delta.finish_reason or reasons.get(delta.index)
         choices = []
         for index in sorted(texts):
-            item = {"index": index, "logprobs": None, "finish_reason": reasons[index]}
+            item = {"index": index, "logprobs": logprobs_of(index, logprobs[index] if params.logprobs is not None
+                                                            else None), "finish_reason": reasons[index]}
             if chat:
                 item["message"] = {"role": "assistant", "content": texts[index]}
             else:

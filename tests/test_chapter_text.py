@@ -9,7 +9,8 @@ Three checks, each run per chapter so that a failure names the chapter:
   printed by some code cell above it, unless the chapter's exemption list says why it need not be (a figure from the
   guide or the paper, or one computed from constants that cannot change between machines);
 - times: chapter 00's time column equals each chapter's recorded running time, the sum of its code cells' execution
-  times (nbconvert's `iopub.execute_input` to `shell.execute_reply`), rounded to whole seconds.
+  times (nbconvert's `iopub.execute_input` to `shell.execute_reply`), rounded to whole seconds;
+- sections: a chapter's numbered sections ("## 3. ...") count 1, 2, 3, ... in order, so that "section 3" means one.
 """
 
 import json
@@ -201,3 +202,14 @@ def test_index_time_is_the_chapters_recorded_running_time(notebook):
     """Fails until the chapters are executed on an idle machine and their times copied into chapter 00's table."""
     row = index_rows()[notebook.stem[:2]]
     assert row["time"] == f"{round(running_time_s(notebook))} s"
+
+
+def section_numbers(path: Path) -> list[int]:
+    return [int(match.group(1)) for cell in cells(path) if cell["cell_type"] == "markdown"
+            for match in re.finditer(r"^## (\d+)\. ", text(cell["source"]), flags=re.MULTILINE)]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=chapter_id)
+def test_sections_are_numbered_in_order(notebook):
+    numbers = section_numbers(notebook)
+    assert numbers == list(range(1, len(numbers) + 1)), numbers

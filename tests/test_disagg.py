@@ -62,12 +62,18 @@ def test_greedy_tokens_equal_transformers(pair, tiny_model):
 
 def test_greedy_with_eos_and_a_crowded_decode_pool_equals_colocated(pair, tiny_model):
     """Twelve requests of up to 60 + 64 tokens need more than the decode worker's 384 slots: it takes requests in
-    as blocks free up, and may preempt (recompute locally); the tokens stay those of one colocated LLM."""
+    as blocks free up, and may preempt (recompute locally); the tokens and their log-probabilities stay those of
+    one colocated LLM."""
     prompts = random_prompts(12, seed=2)
-    params = SamplingParams(max_tokens=64, temperature=0.0)
+    params = SamplingParams(max_tokens=64, temperature=0.0, logprobs=1)
     expected = make_tiny_llm(tiny_model).generate(prompts, params, use_tqdm=False)
     outs = pair.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    for out, colocated in zip(outs, expected):
+        ours, theirs = out.outputs[0].logprobs, colocated.outputs[0].logprobs
+        assert [list(entry) for entry in ours] == [list(entry) for entry in theirs]
+        assert [lp.logprob for entry in ours for lp in entry.values()] == \
+            pytest.approx([lp.logprob for entry in theirs for lp in entry.values()], abs=1e-4)
     assert [o.outputs[0].finish_reason for o in outs] == [o.outputs[0].finish_reason for o in expected]
     for out in outs + expected:  # one time per output token, in both engines
         assert len(out.metrics.token_times) == len(out.outputs[0].token_ids)

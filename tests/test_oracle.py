@@ -127,3 +127,75 @@ def test_speculative_decoding_keeps_transformers_tokens(smollm2, chat_prompts, h
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
     assert llm.kv_stats()["num_preemptions"] > 0
     assert_pool_empty(llm)
+
+
+# ---- log-probabilities ----------------------------------------------------------------------------------------
+
+def hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities [len(output), vocab] of each output position, the raw model's (fp32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_logprobs_are_transformers(label: str, entries, output: list[int], reference: torch.Tensor,
+                                     num_top: int) -> None:
+    """Each position's entry: the chosen token first, with transformers' log-probability and rank; then its
+    num_top most likely tokens with their log-probabilities. The set of most likely is checked only where
+    transformers' k-th and (k+1)-th are further apart than the two engines' rounding."""
+    assert len(entries) == len(output), label
+    for position, (entry, token, row) in enumerate(zip(entries, output, reference)):
+        where = f"{label}, token {position}"
+        assert next(iter(entry)) == token, where
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=2e-3), where
+        surely_above, maybe_above = int((row > row[token] + 2e-3).sum()), int((row > row[token] - 2e-3).sum())
+        assert surely_above < entry[token].rank <= maybe_above + 1, where
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(float(row[token_id]), abs=2e-3), where
+        top = row.topk(num_top + 1).values
+        if num_top and float(top[-2] - top[-1]) > 2e-3:
+            others = [t for t, lp in entry.items() if lp.rank <= num_top]
+            assert set(others) == set(row.topk(num_top).indices.tolist()), where
+
+
+def test_logprobs_are_transformers_log_softmax(smollm2, smollm2_llm, chat_prompts):
+    """Greedy and sampled (temperature, top-k): each token's log-probability is the raw model's, as transformers
+    computes it, with the chosen token's rank and the top alternatives; the decoded token is its text alone."""
+    model, tokenizer = smollm2
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(max_tokens=6, temperature=1.3, top_k=20, seed=7, ignore_eos=True, logprobs=0)
+    outs = smollm2_llm.generate(chat_prompts[:3] * 2, [greedy] * 3 + [sampled] * 3, use_tqdm=False)
+    for i, out in enumerate(outs):
+        completion = out.outputs[0]
+        reference = hf_logprobs(model, out.prompt_token_ids, completion.token_ids)
+        assert_logprobs_are_transformers(f"request {i}", completion.logprobs, completion.token_ids, reference,
+                                         3 if i < 3 else 0)
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(float(reference[j, t]) for j, t in enumerate(completion.token_ids)), abs=1e-2)
+        for entry in completion.logprobs:
+            assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in entry.items())
+    assert all(next(iter(e.values())).rank == 1 for o in outs[:3] for e in o.outputs[0].logprobs)   # greedy
+    assert any(next(iter(e.values())).rank > 1 for o in outs[3:] for e in o.outputs[0].logprobs)    # sampled
+    assert all(len(e) == 1 for o in outs[3:] for e in o.outputs[0].logprobs)   # logprobs=0: the chosen one only
+    assert smollm2_llm.generate(chat_prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)[0] \
+        .outputs[0].logprobs is None   # not asked for, not kept
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_logprobs_with_speculative_decoding_are_those_without(tiny_model, method):
+    """A verify step appends several tokens at once; each gets the log-probabilities of its own row, so they equal
+    those of plain decoding, one token per step."""
+    prompts = [p * 3 for p in random_prompts(4, seed=9, low=3, high=8)]   # repeats: prompt lookup finds drafts
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = tiny_model
+    plain = make_tiny_llm(tiny_model, num_blocks=128).generate(prompts, params, use_tqdm=False)
+    speculating = make_tiny_llm(tiny_model, num_blocks=128, speculative_config=config)
+    fast = speculating.generate(prompts, params, use_tqdm=False)
+    assert speculating.spec_stats()["num_accepted_tokens"] > 0
+    for a, b in zip(plain, fast):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+            assert [v.logprob for v in x.values()] == pytest.approx([v.logprob for v in y.values()], abs=1e-4)

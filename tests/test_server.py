@@ -101,6 +101,48 @@ def test_completions_and_chat_equal_generate(smollm2):
     assert smollm2.kv_stats()["num_used_blocks"] == 0
 
 
+def test_logprobs_in_both_of_openais_shapes(smollm2):
+    """/v1/completions (logprobs=N) and /v1/chat/completions (logprobs, top_logprobs), streamed and not: the
+    engine's log-probabilities (LLM.generate's), each token's text, and the N most likely at each position."""
+    question = "What is the capital of France?"
+    prompt = chat_prompt(smollm2.tokenizer, question)
+    expected = smollm2.generate(prompt, SamplingParams(max_tokens=8, temperature=0, logprobs=2),
+                                use_tqdm=False)[0].outputs[0]
+    chosen = [entry[token] for entry, token in zip(expected.logprobs, expected.token_ids)]
+    args = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
+    with server(smollm2, "smollm2") as (url, client):
+        done = client.completions.create(prompt=prompt, logprobs=2, **args).choices[0]
+        chunks = list(client.completions.create(prompt=prompt, logprobs=2, stream=True, **args))
+        chat = client.chat.completions.create(messages=[{"role": "user", "content": question}], logprobs=True,
+                                              top_logprobs=2, **args).choices[0]
+        chat_chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": question}],
+                                                          logprobs=True, top_logprobs=2, stream=True, **args))
+        refused = [httpx.post(f"{url}/v1/chat/completions", json={**args, "messages": [
+            {"role": "user", "content": question}], **extra}, timeout=DEADLINE_S).json()["error"]
+            for extra in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21})]
+    assert done.text == expected.text
+    assert done.logprobs.tokens == [lp.decoded_token for lp in chosen]
+    assert done.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in chosen], abs=1e-4)
+    assert done.logprobs.text_offset == [sum(len(lp.decoded_token) for lp in chosen[:i]) for i in range(8)]
+    for top, entry in zip(done.logprobs.top_logprobs, expected.logprobs):   # the chosen token and the 2 most likely
+        assert top == pytest.approx({lp.decoded_token: lp.logprob for lp in entry.values()}, abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((lp.tokens for lp in streamed), []) == done.logprobs.tokens
+    assert sum((lp.text_offset for lp in streamed), []) == done.logprobs.text_offset
+    assert [t.token for t in chat.logprobs.content] == [lp.decoded_token for lp in chosen]
+    assert chat.message.content == expected.text   # the tokens' texts hold the end-of-turn token's too
+    assert "".join(t.token for t in chat.logprobs.content) == expected.text + smollm2.tokenizer.eos_token
+    for item, entry in zip(chat.logprobs.content, expected.logprobs):
+        assert item.bytes == list(item.token.encode("utf-8"))
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)[:2]
+        assert [t.token for t in item.top_logprobs] == [lp.decoded_token for lp in ranked]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([lp.logprob for lp in ranked], abs=1e-4)
+    streamed_chat = [c.choices[0].logprobs for c in chat_chunks if c.choices and c.choices[0].logprobs]
+    assert [t.token for lp in streamed_chat for t in lp.content] == [t.token for t in chat.logprobs.content]
+    assert [(e["param"], "logprobs: true" in e["message"] or "20" in e["message"]) for e in refused] == \
+        [("top_logprobs", True)] * 2
+
+
 def test_incremental_text_never_splits_a_character(smollm2):
     tokenizer = smollm2.tokenizer
     text = "Crème brûlée 🍮 in Zürich, 東京"
@@ -173,7 +215,8 @@ BAD_REQUESTS = [   # (body, the param the error must name, a word its message mu
     ({"model": "m", "prompt": [1], "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"model": "m", "prompt": [1], "top_p": 0}, "top_p", "top_p"),
     ({"model": "m", "prompt": [1], "n": 2, "temperature": 0}, "n", "greedy"),
-    ({"model": "m", "prompt": [1], "logprobs": 1}, "logprobs", "not supported"),
+    ({"model": "m", "prompt": [1], "logprobs": 21}, "logprobs", "20"),
+    ({"model": "m", "prompt": [1], "logprobs": True}, "logprobs", "integer"),
     ({"model": "m", "prompt": [999]}, "prompt", "vocabulary"),
     ({"model": "m", "prompt": "text"}, "prompt", "tokenizer"),
     ({"prompt": [1]}, "model", "model"),

@@ -24,6 +24,7 @@ from paged.sequence import SequenceStatus
 
 PAGED_DIR = os.path.dirname(paged.__file__) + os.sep
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
 class Injected(Exception):
@@ -226,10 +227,12 @@ HEADER = random_prompts(1, seed=40, low=12, high=13)[0]   # a shared system prom
 
 
 def request_of(value: int, adapters) -> tuple:
-    """A prompt (a shared header or not, some repeating for prompt lookup), its params and maybe an adapter."""
+    """A prompt (a shared header or not, some repeating for prompt lookup), its params (greedy, some with logprobs,
+    or sampled) and maybe an adapter."""
     body = random_prompts(1, seed=value, low=2, high=14)[0]
     prompt = (HEADER if value % 2 else []) + (body * 2 if value % 3 == 0 else body)
-    params = GREEDY if value % 4 else SamplingParams(n=2, temperature=1.0, seed=value, max_tokens=6, ignore_eos=True)
+    params = GREEDY_LOGPROBS if value % 4 == 1 else GREEDY if value % 4 else \
+        SamplingParams(n=2, temperature=1.0, seed=value, max_tokens=6, ignore_eos=True)
     lora_request = adapters[value % 2] if adapters and value % 5 < 2 else None
     return prompt, params, lora_request
 
@@ -309,6 +312,8 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
         completions = finished[request_id].outputs
         if params.greedy:
             assert completions[0].token_ids == reference(prompt, lora_request)
+        if params.logprobs is not None:   # one entry per token, kept or undone with it
+            assert [next(iter(entry)) for entry in completions[0].logprobs] == completions[0].token_ids
         else:
             assert [len(c.token_ids) for c in completions] == [params.max_tokens] * params.n
     assert_pool_empty(llm)

@@ -50,3 +50,24 @@ def plot_load(results: dict[str, LoadResult], num_blocks: int):
         top.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     return fig
+
+
+def plot_token_logprobs(content):
+    """One chat answer's tokens (OpenAI's logprobs.content: token, logprob, top_logprobs): at each position the
+    model's most likely tokens, top to bottom, each cell shaded by its probability; the chosen one outlined."""
+    ranks = max(len(item.top_logprobs) for item in content)
+    probs = np.zeros((ranks, len(content)))                                   # [rank, position]
+    fig, ax = plt.subplots(figsize=(1.1 * len(content) + 1, 0.55 * ranks + 1.2))
+    for x, item in enumerate(content):
+        for y, other in enumerate(item.top_logprobs):
+            probs[y, x] = np.exp(other.logprob)
+            ax.text(x, y, f"{other.token!r}"[1:-1], ha="center", va="center", fontsize=8,
+                    color="white" if probs[y, x] > 0.6 else "black")
+            if other.token == item.token:
+                ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, lw=2, color=PALETTE[1]))
+    image = ax.imshow(probs, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    ax.set(xticks=range(len(content)), yticks=range(ranks), yticklabels=[f"#{r + 1}" for r in range(ranks)],
+           xlabel="output token", ylabel="the model's rank")
+    fig.colorbar(image, ax=ax, label="probability", fraction=0.03)
+    fig.tight_layout()
+    return fig
