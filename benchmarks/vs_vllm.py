@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "vs_vllm.json"
+WORKLOADS, DTYPES, THREADS = ("fixed", "steady", "prefix"), ("float32", "bfloat16"), (1, 2)
 # Every configuration `make bench-vllm` measures: (workload, dtype, threads).
-MATRIX = [(w, d, t) for w in ("fixed", "steady", "prefix") for d in ("float32", "bfloat16") for t in (1, 2)]
+MATRIX = [(w, d, t) for w in WORKLOADS for d in DTYPES for t in THREADS]
 SYSTEM_PROMPT = " ".join(["You are a careful assistant: answer briefly, give reasons, and keep to the facts."] * 25)
 
 
@@ -239,10 +240,9 @@ def save(rows: list[dict], out: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the python of vLLM's environment")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
-    parser.add_argument("--workloads", nargs="+", choices=["fixed", "steady", "prefix"],
-                        default=["fixed", "steady", "prefix"])
+    parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--turns", type=int, default=2, help="runs of each engine per configuration, alternating")
     parser.add_argument("--ablations", action="store_true",
                         help="also vLLM without torch.compile and with its engine core in-process (first "

@@ -56,7 +56,7 @@ from .geometry import KVGeometry
 from .kv_connector import KVConsumer, KVProducer
 from .validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 from .model import ATTENTION_BACKENDS, check_model
-from .sampling import SamplingParams
+from .sampling import SamplingParams, decode_logprobs
 from .sequence import Request, RequestMetrics, RequestOutput
 
 PREFILL_RANK, DECODE_RANK = 0, 1
@@ -485,10 +485,7 @@ class DisaggregatedLLM:
                     if kind == "done":   # the workers have no tokenizer: the text is made here
                         completion = payload.outputs[0]
                         completion.text = self._decode(completion.token_ids)
-                        if completion.logprobs and self.tokenizer is not None:
-                            for entry in completion.logprobs:
-                                for token_id, logprob in entry.items():
-                                    logprob.decoded_token = self.tokenizer.decode([token_id])
+                        decode_logprobs(completion.logprobs or [], self.tokenizer)
                         done[payload.request_id] = payload
                         bar.update()
                     elif kind == "transfer":

@@ -28,7 +28,7 @@ from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama
 from .models import load_model
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .speculative import Speculator, resolve_draft
@@ -170,8 +170,8 @@ class LLMEngine:
         logprobs = self._logprobs(sampled, tokens, logits)
         finished = self.scheduler.update_from_output(plan, list(zip([seq for seq, _ in sampled], tokens)),
                                                      now=self.clock())
-        for (seq, _), entries in zip(sampled, logprobs):  # as many as the update appended (a stop may cut a verify)
-            seq.logprobs += entries[:len(seq.output_token_ids) - len(seq.logprobs)]
+        for seq, entries in logprobs:  # as many as the update appended (a stop may cut a verify short)
+            seq.logprobs += entries[:seq.num_tokens - seq.num_prompt_tokens - len(seq.logprobs)]
         self.kv_connector.wait_for_save(self.kv_cache)  # the blocks of requests handed over, saved and freed
         self.scheduler.update_from_kv_xfer_finished(self.kv_connector.get_finished())
         self._release_drafts()
@@ -271,23 +271,21 @@ class LLMEngine:
         return tokens
 
     def _logprobs(self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]],
-                  logits: torch.Tensor) -> list[list[dict]]:
-        """For each sequence whose params ask for logprobs, one entry per token it is about to append: token j of
+                  logits: torch.Tensor) -> list[tuple[Sequence, list[dict]]]:
+        """Each sequence whose params ask for logprobs, with one entry per token it is about to append: token j of
         a sequence came from its row + j (one row, or the rows that verified its drafts)."""
         wanted = [i for i, (seq, _) in enumerate(sampled) if seq.params.logprobs is not None]
-        entries = [[] for _ in sampled]
         if not wanted:
-            return entries
+            return []
         rows = [sampled[i][1] + j for i in wanted for j in range(len(tokens[i]))]
         flat = token_logprobs(logits.index_select(0, torch.tensor(rows, device=logits.device)),  # [len(rows), vocab]
                               [token for i in wanted for token in tokens[i]],
                               [sampled[i][0].params.logprobs for i in wanted for _ in tokens[i]])
-        if self.tokenizer is not None:
-            for entry in flat:
-                for token_id, logprob in entry.items():
-                    logprob.decoded_token = self.tokenizer.decode([token_id])
+        decode_logprobs(flat, self.tokenizer)
+        entries = []
         for i in wanted:
-            entries[i], flat = flat[:len(tokens[i])], flat[len(tokens[i]):]
+            entries.append((sampled[i][0], flat[:len(tokens[i])]))
+            flat = flat[len(tokens[i]):]
         return entries
 
     def _release_drafts(self) -> None:

@@ -88,6 +88,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     return entries
 
 
+def decode_logprobs(entries: list[dict[int, Logprob]], tokenizer) -> None:
+    """Fill in each Logprob's decoded_token: its token's text alone (left None without a tokenizer)."""
+    if tokenizer is None:
+        return
+    for entry in entries:
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = tokenizer.decode([token_id])
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
     """Temperature-scaled probabilities with everything outside each row's top-k and top-p set to zero.
