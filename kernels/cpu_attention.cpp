@@ -5,8 +5,9 @@
 // are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
 // is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
 // pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
-// own thread pool (at::parallel_for), longest first, each thread taking the next task as it finishes one, so
-// ragged sequences do not leave a core idle. While a block is computed, the next one's rows are prefetched.
+// own thread pool (at::parallel_for), longest first, each thread claiming its next task as it starts one, so
+// ragged sequences do not leave a core idle. While a block is computed, the next one's rows are requested from
+// memory, a few cache lines after each group of scores.
 //
 //   query            [num_tokens, num_heads, head_dim]                  any strides, head_dim contiguous
 //   key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   NHD; value_cache the same
@@ -63,13 +64,27 @@ inline const float* as_float<float>(const float* row, float*, int64_t) {
   return row;
 }
 
-// Ask the memory system for n rows of d elements, `stride` elements apart, ahead of their use.
-template <typename T>
-inline void prefetch_rows(const T* rows, int64_t n, int64_t stride, int64_t d) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(T)); byte += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows + t * stride) + byte);
-}
+// The next block's K and V rows, requested from memory a few cache lines at a time while this block is computed:
+// a burst of hundreds of requests at once would hold the core until most of them had arrived.
+struct Prefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t stride = 0, row_bytes = 0, rows = 0;  // rows of row_bytes, stride bytes apart
+  int64_t row = 0, byte = 0;                    // the next line to request
+  Prefetch() = default;
+  template <typename T>
+  Prefetch(const T* k_rows, const T* v_rows, int64_t n, int64_t row_stride, int64_t d)
+      : k(reinterpret_cast<const char*>(k_rows)), v(reinterpret_cast<const char*>(v_rows)),
+        stride(row_stride * sizeof(T)), row_bytes(d * sizeof(T)), rows(n) {}
+  int64_t lines() const { return rows * ((row_bytes + 63) / 64); }
+  inline void issue(int64_t count) {
+    for (; count > 0 && row < rows; --count) {
+      __builtin_prefetch(k + row * stride + byte);
+      __builtin_prefetch(v + row * stride + byte);
+      if ((byte += 64) >= row_bytes) byte = 0, ++row;
+    }
+  }
+};
 
 inline float sum_lanes(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
@@ -162,7 +177,7 @@ struct PagedAttention {
   int64_t num_heads, block_size, group, head_dim;
   float scale;
 
-  void run(const Tile& tile, Scratch& s) const {
+  void run(const Tile& tile, const Tile* next, Scratch& s) const {
     const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size, kv_stride = bs + 3;
     const int64_t rows = tile.num_tokens * G;                       // row r: token r / G, query head r % G
     const int64_t last_pos = tile.first_pos + tile.num_tokens - 1;   // the last key any row of the tile sees
@@ -187,11 +202,17 @@ struct PagedAttention {
       const int64_t physical = table[j];                            // the indirection: one int32 per block
       const int64_t start = j * bs;
       const int64_t n = std::min(bs, last_pos + 1 - start);        // the last block may be partly filled
-      if (j < last_pos / bs) {                                      // block j + 1 travels while j is computed
-        const int64_t next = table[j + 1] * stride_block + tile.kv_head * stride_head;
-        prefetch_rows(key_cache + next, bs, stride_slot, tile.num_kv_heads * D);
-        prefetch_rows(value_cache + next, bs, stride_slot, tile.num_kv_heads * D);
+      // Block j + 1 travels while j is computed; during the last block, the first block of this thread's next tile
+      const bool last_block = j == last_pos / bs;
+      const Tile* ahead_tile = last_block ? next : &tile;
+      Prefetch ahead;
+      if (ahead_tile != nullptr) {
+        const int64_t at = block_tables[ahead_tile->seq * table_stride + (last_block ? 0 : j + 1)] * stride_block +
+                           ahead_tile->kv_head * stride_head;
+        ahead = Prefetch(key_cache + at, value_cache + at, bs, stride_slot, ahead_tile->num_kv_heads * D);
       }
+      const int64_t score_calls = rows * ((n + 3) / 4);
+      const int64_t lines_per_call = (ahead.lines() + score_calls - 1) / score_calls;
       for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
         const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
         const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
@@ -205,7 +226,9 @@ struct PagedAttention {
       // scores = q . k for every row and key of the block, four keys at a time
       for (int64_t t = 0; t < n; t += 4)
         for (int64_t r = 0; r < rows; ++r)
-          dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t);
+          dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t),
+              ahead.issue(lines_per_call);
+      ahead.issue(ahead.lines());                                  // what is left, if any
       for (int64_t r = 0; r < rows; ++r) {
         // keys after the row's own position are masked (only in a prefill tile's last blocks)
         const int64_t visible = std::clamp<int64_t>(tile.first_pos + r / G - start + 1, 0, n);
@@ -229,7 +252,7 @@ struct PagedAttention {
   }
 };
 
-// Run every tile on torch's thread pool: longest first, each thread taking the next tile as it finishes one.
+// Run every tile on torch's thread pool: longest first, each thread taking the next tile as it starts one.
 template <typename T>
 void run_tiles(const PagedAttention<T>& attention, std::vector<Tile>& tiles) {
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
@@ -239,7 +262,11 @@ void run_tiles(const PagedAttention<T>& attention, std::vector<Tile>& tiles) {
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (size_t i = next++; i < tiles.size(); i = next++) attention.run(tiles[i], scratch);
+    for (size_t i = next++; i < tiles.size();) {
+      const size_t following = next++;  // taken now, so that its first block can travel while tile i ends
+      attention.run(tiles[i], following < tiles.size() ? &tiles[following] : nullptr, scratch);
+      i = following;
+    }
   });
 }
 
