@@ -5,7 +5,7 @@
 // are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
 // is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
 // pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
-// own thread pool (at::parallel_for), longest first, each thread claiming its next task as it starts one, so
+// own thread pool (at::parallel_for), longest first, each thread taking the next task as it needs one, so
 // ragged sequences do not leave a core idle. While a block is computed, the next one's rows are requested from
 // memory, a few cache lines after each group of scores.
 //
@@ -202,7 +202,7 @@ struct PagedAttention {
       const int64_t physical = table[j];                            // the indirection: one int32 per block
       const int64_t start = j * bs;
       const int64_t n = std::min(bs, last_pos + 1 - start);        // the last block may be partly filled
-      // Block j + 1 travels while j is computed; during the last block, the first block of this thread's next tile
+      // Block j + 1 travels while j is computed; during the last block, the first block of the thread's next tile.
       const bool last_block = j == last_pos / bs;
       const Tile* ahead_tile = last_block ? next : &tile;
       Prefetch ahead;
@@ -252,20 +252,23 @@ struct PagedAttention {
   }
 };
 
-// Run every tile on torch's thread pool: longest first, each thread taking the next tile as it starts one.
+// Run every tile on torch's thread pool, longest first, each thread taking the next tile as it needs one.
 template <typename T>
 void run_tiles(const PagedAttention<T>& attention, std::vector<Tile>& tiles) {
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   int64_t work = 0;
   for (const Tile& tile : tiles) work += tile.cost;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / kWorkPerThread));
+  // With two tiles or more for every thread, a thread claims its next tile as it starts one, so that the next tile's
+  // first block can travel while this one ends; with fewer, a claimed tile could wait while another thread idles.
+  const bool claim_ahead = tiles.size() >= 2 * static_cast<size_t>(threads);
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (size_t i = next++; i < tiles.size();) {
-      const size_t following = next++;  // taken now, so that its first block can travel while tile i ends
+      const size_t following = claim_ahead ? next++ : tiles.size();
       attention.run(tiles[i], following < tiles.size() ? &tiles[following] : nullptr, scratch);
-      i = following;
+      i = claim_ahead ? following : next++;
     }
   });
 }
