@@ -18,7 +18,8 @@ For each configuration it prints output tok/s of each engine (median of its turn
 percentiles, and how many completions are token-identical; where one is not, the first position that differs and
 the logit margin there under transformers in the same dtype (a near-tie is two correct engines rounding
 differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json with the CPU and versions;
-a configuration measured by an earlier run and not by this one is kept there, with the command and date that made it.
+a configuration measured by an earlier run on the same CPU and not by this one is kept there, with the command, date
+and commit that made it.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
@@ -214,21 +215,39 @@ def report(row: dict) -> None:
               f"logit margin {difference['margin']:+.4f}")
 
 
+def engine_commit() -> str:
+    """The git commit of the paged package this run measured, "+changes" if its tracked files (results aside) had
+    uncommitted changes; "unknown" outside a git checkout."""
+    import paged
+    root = Path(paged.__file__).resolve().parents[1]
+    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if changed else "")
+
+
 def save(rows: list[dict], out: str) -> None:
-    """Writes this run's configurations into the results file, keeping those of earlier runs that this one did not
-    measure again; each configuration carries the command and the date that measured it."""
+    """Writes this run's configurations into the results file, keeping those of earlier runs on the same CPU that
+    this one did not measure again; each configuration carries the command, date and commit that measured it."""
     import torch
     import transformers
     command = "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:])
+    commit = engine_commit()
     for row in rows:
         row.setdefault("command", command)
         row.setdefault("date", time.strftime("%Y-%m-%d"))
+        row.setdefault("commit", commit)
     key = lambda row: (row["workload"], row["dtype"], row["threads"])
     path = Path(out)
-    earlier = json.loads(path.read_text())["configurations"] if path.exists() else []
-    measured = {key(row): row for row in earlier} | {key(row): row for row in rows}
+    cpu = cpu_description()
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    kept = earlier.get("configurations", []) if earlier.get("cpu") == cpu else []  # another CPU's runs: replaced
+    measured = {key(row): row for row in kept} | {key(row): row for row in rows}
     order = {k: i for i, k in enumerate(MATRIX)}
-    result = {"cpu": cpu_description(),
+    result = {"cpu": cpu,
               "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
                            **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
               "configurations_asked": len(MATRIX),
