@@ -202,6 +202,10 @@ def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args
     steps = []
     ours, seconds = run_paged(model, tokenizer, prompts, lengths, steps=steps, **paged)
     rows["paged"] = (new_tokens / seconds, 1.0)
+    matmuls = Matmuls(model)   # timed next to the paged run, so that a machine that drifts moves both alike
+    ceilings = {f"matmul-only ceiling at batch {max_running}":
+                max_running / matmuls.seconds(max_running, max_running, repeats=5),
+                CEILING: new_tokens / matmuls.workload_seconds(steps)}
     theirs, seconds = run_paged(model, tokenizer, prompts, lengths, attention_backend="torch", **paged)
     rows["paged, torch reference attention"] = (new_tokens / seconds, agreement(ours, theirs))
     if prefix_caching:
@@ -213,11 +217,7 @@ def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args
     if not args.skip_static:
         theirs, seconds = run_static(model, tokenizer, prompts, lengths, static_batch)
         rows[f"hf generate, static batches of {static_batch}"] = (new_tokens / seconds, agreement(ours, theirs))
-    matmuls = Matmuls(model)
-    rows[f"matmul-only ceiling at batch {max_running}"] = (
-        max_running / matmuls.seconds(max_running, max_running, repeats=5), float("nan"))
-    rows[CEILING] = (new_tokens / matmuls.workload_seconds(steps), float("nan"))
-    return rows
+    return rows | {name: (rate, float("nan")) for name, rate in ceilings.items()}
 
 
 def report(rows: dict[str, tuple[float, float]]) -> None:
