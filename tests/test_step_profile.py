@@ -17,8 +17,10 @@ def test_each_part_of_a_decode_step_is_found(monkeypatch, backend):
     for prompt in random_prompts(6):
         engine.add_request(engine.make_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
     engine.step()  # the prefill; the profiled steps are decodes
-    plain_ms, wall_ms, parts = step_profile.profile_steps(engine, steps=3)
+    plain_ms, outside_ms, wall_ms, parts = step_profile.profile_steps(engine, steps=3)
     # If torch renames an op, its time would fall into "other ops" and the profile would mislead: fail instead.
     for name in set(step_profile.parts_of(backend).values()):
         assert parts.get(name, 0.0) > 0, name
-    assert plain_ms > 0 and abs(sum(parts.values()) - wall_ms) < 1e-6 * wall_ms
+    assert abs(sum(parts.values()) - wall_ms) < 1e-6 * wall_ms
+    assert 0 < outside_ms < plain_ms   # the forward pass was timed, inside the step
+    assert "forward" not in vars(engine.model)   # and the model is as it was
