@@ -89,9 +89,9 @@ class AttentionMetadata:
 def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
     provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
-    reads K/V in place in the pool. Two small per-layer ops come along (rope, silu_and_mul): in torch, or, for
-    fp32 on the CPU, fused by the C++ library, with the same bits. Where the C++ library cannot be built, "cpu"
-    falls back to the torch reference after one warning.
+    reads K/V in place in the pool. Three small per-layer ops come along (add_rms_norm, rope, silu_and_mul): in
+    torch, or, for fp32 and bf16 on the CPU, fused by the C++ library, with the same bits. Where the C++ library
+    cannot be built, "cpu" falls back to the torch reference after one warning.
 
     Every backend takes the same arguments: write_kv(k, v, key_cache, value_cache, slot_mapping);
     decode(q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len);
@@ -108,15 +108,18 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
             def cpu_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len, max_context_len):
                 return ops.prefill(q, kc, vc, tables, query_start_loc, lens, scale)
 
-            fused = dtype == torch.float32                       # the fused layer ops are written for fp32
+            fused = dtype in (torch.float32, torch.bfloat16)     # the dtypes the fused layer ops are written for
+            # the fused RMSNorm adds in the order of torch's sum on an x86 CPU with AVX2 (or AVX-512)
+            fused_norm = fused and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
             return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=cpu_decode, prefill=cpu_prefill,
+                                   add_rms_norm=ops.rms_norm if fused_norm else add_rms_norm,
                                    rope=ops.rotary if fused else apply_rope,
                                    silu_and_mul=ops.silu_and_mul if fused else silu_and_mul)
         name = "torch"
     if name == "torch":
         return SimpleNamespace(name="torch", write_kv=functools.partial(torch_attention.write_kv, may_skip=False),
                                decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
-                               rope=apply_rope, silu_and_mul=silu_and_mul)
+                               add_rms_norm=add_rms_norm, rope=apply_rope, silu_and_mul=silu_and_mul)
     if name == "triton":
         import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
 
@@ -127,13 +130,21 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
             return kernels.launch_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len)
 
         return SimpleNamespace(name="triton", write_kv=kernels.write_cache, decode=triton_decode,
-                               prefill=triton_prefill, rope=apply_rope, silu_and_mul=silu_and_mul)
+                               prefill=triton_prefill, add_rms_norm=add_rms_norm, rope=apply_rope,
+                               silu_and_mul=silu_and_mul)
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As LlamaRMSNorm (x * rsqrt(mean(x^2) + eps) * weight), in one fused op; bit-equal to HF's in fp32."""
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hidden += delta (the residual add, in place; skipped when delta is None), then rms_norm(hidden)."""
+    if delta is not None:
+        hidden += delta
+    return rms_norm(hidden, weight, eps)
 
 
 def signed_sine(sin: torch.Tensor) -> torch.Tensor:
@@ -260,8 +271,9 @@ class PagedLlama:
         # Row lookups go through F.embedding: on a CPU, advanced indexing (tensor[ids]) can be many times slower.
         cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.signed_sin)  # [tokens, head_dim]
         hidden = F.embedding(input_ids, self.embed_tokens)                          # [num_tokens, hidden]
+        delta = None        # what the last sublayer adds to the residual stream, added as the next norm reads it
         for index, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, self.eps)
+            x = self.backend.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
             qkv = project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -272,10 +284,11 @@ class PagedLlama:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
-            hidden += project(out.view(num_tokens, q_size), layer.o, lora, index, "o")
-            x = rms_norm(hidden, layer.post_norm, self.eps)
+            delta = project(out.view(num_tokens, q_size), layer.o, lora, index, "o")
+            x = self.backend.add_rms_norm(hidden, delta, layer.post_norm, self.eps)
             act = self.backend.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
-            hidden += project(act, layer.down, lora, index, "down")
+            delta = project(act, layer.down, lora, index, "down")
+        hidden += delta
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
         return linear(last, self.lm_head).float()                           # [num_logits, vocab]
 

@@ -18,7 +18,7 @@ from helpers import make_tiny_llm, random_prompts, tiny_llama
 from kernels import cpu
 from paged import LLM, SamplingParams
 from paged import attention as ref
-from paged.model import apply_rope, attention_backend, silu_and_mul
+from paged.model import add_rms_norm, apply_rope, attention_backend, silu_and_mul
 
 # the kernel tests' inputs, on the CPU even where there is a GPU
 paged_pool = functools.partial(helpers.paged_pool, device="cpu")
@@ -139,18 +139,31 @@ def test_cache_write_matches_write_kv(slot_dtype):
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
-def test_fused_layer_ops_give_the_torch_bits(num_tokens):
-    """RoPE in place on a strided slice of a fused qkv tensor, and SiLU-and-multiply: the same floats as
-    paged.model's torch code, to the last bit (so the engine's tokens cannot drift from the oracle here)."""
+def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
+    """RoPE in place on a strided slice of a fused qkv tensor, SiLU-and-multiply (a width whose last elements torch
+    computes one by one), and RMSNorm with the residual add: the same floats as paged.model's torch code, to the
+    last bit, in fp32 and bf16 (so the engine's tokens cannot drift from the oracle here)."""
     gen = torch.Generator().manual_seed(num_tokens)
-    qkv = 3 * torch.randn(num_tokens, 15 * 64, generator=gen)
-    cos, sin = torch.randn(num_tokens, 64, generator=gen), torch.randn(num_tokens, 64, generator=gen)
+    qkv = (3 * torch.randn(num_tokens, 15 * 64, generator=gen)).to(dtype)
+    cos, sin = torch.randn(num_tokens, 64, generator=gen).to(dtype), torch.randn(num_tokens, 64, generator=gen).to(dtype)
     qk = qkv[:, :12 * 64].view(num_tokens, 12, 64)                      # 9 query and 3 key heads, strided rows
     expected = apply_rope(qk, cos, sin)
     assert cpu.load().rotary(qk, cos, sin) is qk and torch.equal(qk, expected)
-    gate_up = 4 * torch.randn(num_tokens, 2 * 96, generator=gen)
+    gate_up = (4 * torch.randn(num_tokens, 2 * 1560, generator=gen)).to(dtype)
     assert torch.equal(cpu.load().silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # there the engine keeps torch's RMSNorm
+        assert attention_backend("cpu", dtype).add_rms_norm is add_rms_norm
+        return
+    for hidden_size in (5, 576, 4100):                                   # one partial vector; cascades of 16 vectors
+        hidden = (3 * torch.randn(num_tokens, hidden_size, generator=gen)).to(dtype)
+        delta, weight = torch.randn_like(hidden), torch.randn(hidden_size, generator=gen).to(dtype)
+        for maybe_delta in (None, delta):
+            fused_hidden, torch_hidden = hidden.clone(), hidden.clone()
+            fused = cpu.load().rms_norm(fused_hidden, maybe_delta, weight, 1e-5)
+            assert torch.equal(fused, add_rms_norm(torch_hidden, maybe_delta, weight, 1e-5))
+            assert torch.equal(fused_hidden, torch_hidden)                # the residual add, in place
 
 
 # --- bad input: the Triton wrappers' messages ---------------------------------------------------------------
