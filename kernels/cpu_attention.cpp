@@ -7,7 +7,7 @@
 // pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
 // own thread pool (at::parallel_for), longest first, each thread taking the next task as it needs one, so
 // ragged sequences do not leave a core idle. While a block is computed, the next one's rows are requested from
-// memory, a few cache lines after each group of scores.
+// memory into the L2 cache, a few cache lines after each group of scores.
 //
 //   query            [num_tokens, num_heads, head_dim]                  any strides, head_dim contiguous
 //   key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   NHD; value_cache the same
@@ -65,7 +65,9 @@ inline const float* as_float<float>(const float* row, float*, int64_t) {
 }
 
 // The next block's K and V rows, requested from memory a few cache lines at a time while this block is computed:
-// a burst of hundreds of requests at once would hold the core until most of them had arrived.
+// a burst of hundreds of requests at once would hold the core until most of them had arrived. They are requested
+// into the L2 cache, not L1: a request for L1 holds one of the core's few L1 miss slots until its line arrives,
+// and while they are all taken the loads of the block being computed wait too; from L2 a line is a few cycles away.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -79,8 +81,8 @@ struct Prefetch {
   int64_t lines() const { return rows * ((row_bytes + 63) / 64); }
   inline void issue(int64_t count) {
     for (; count > 0 && row < rows; --count) {
-      __builtin_prefetch(k + row * stride + byte);
-      __builtin_prefetch(v + row * stride + byte);
+      __builtin_prefetch(k + row * stride + byte, /*write=*/0, /*locality: into L2=*/2);
+      __builtin_prefetch(v + row * stride + byte, /*write=*/0, /*locality: into L2=*/2);
       if ((byte += 64) >= row_bytes) byte = 0, ++row;
     }
   }
@@ -106,25 +108,26 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
     for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
 }
 
-// y += sum over t < n of p[t] * x[t], for rows x[t] of length d_total. Eight vectors of y at a time stay in
-// registers over all n rows: eight independent chains of multiply-adds.
+// y[d .. d + V * kLanes) += sum over t < n of p[t] * x[t][same range]. The V vectors of y stay in registers over
+// all n rows: V independent chains of multiply-adds, so that no multiply-add waits for the one before it.
+template <int V>
+inline void weighted_sum_chunk(const float* p, const float* const* x, int64_t n, float* y, int64_t d) {
+  Vec acc[V];
+  for (int i = 0; i < V; ++i) acc[i] = Vec::loadu(y + d + i * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec a(p[t]);
+    for (int i = 0; i < V; ++i) acc[i] = at::vec::fmadd(a, Vec::loadu(x[t] + d + i * kLanes), acc[i]);
+  }
+  for (int i = 0; i < V; ++i) acc[i].store(y + d + i * kLanes);
+}
+
+// y += sum over t < n of p[t] * x[t], for rows x[t] of length d_total: as many vectors at a time as fit.
 inline void weighted_sum(const float* p, const float* const* x, int64_t n, float* y, int64_t d_total) {
-  constexpr int64_t kChunk = 8 * kLanes;
   int64_t d = 0;
-  for (; d + kChunk <= d_total; d += kChunk) {
-    Vec acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = Vec::loadu(y + d + i * kLanes);
-    for (int64_t t = 0; t < n; ++t) {
-      const Vec a(p[t]);
-      for (int i = 0; i < 8; ++i) acc[i] = at::vec::fmadd(a, Vec::loadu(x[t] + d + i * kLanes), acc[i]);
-    }
-    for (int i = 0; i < 8; ++i) acc[i].store(y + d + i * kLanes);
-  }
-  for (; d + kLanes <= d_total; d += kLanes) {
-    Vec acc = Vec::loadu(y + d);
-    for (int64_t t = 0; t < n; ++t) acc = at::vec::fmadd(Vec(p[t]), Vec::loadu(x[t] + d), acc);
-    acc.store(y + d);
-  }
+  for (; d + 8 * kLanes <= d_total; d += 8 * kLanes) weighted_sum_chunk<8>(p, x, n, y, d);
+  if (d + 4 * kLanes <= d_total) weighted_sum_chunk<4>(p, x, n, y, d), d += 4 * kLanes;
+  if (d + 2 * kLanes <= d_total) weighted_sum_chunk<2>(p, x, n, y, d), d += 2 * kLanes;
+  if (d + kLanes <= d_total) weighted_sum_chunk<1>(p, x, n, y, d), d += kLanes;
   for (; d < d_total; ++d)
     for (int64_t t = 0; t < n; ++t) y[d] += p[t] * x[t][d];
 }

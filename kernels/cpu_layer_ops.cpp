@@ -1,19 +1,18 @@
 // Three small per-layer ops of the Llama block, each fused into one pass over its tensor, for a CPU (guide §7).
 //
-// In plain torch RMSNorm takes nine ops (an upcast, a square, a sum, a division, an add, a reciprocal square root,
-// two multiplies, a downcast), RoPE four and SiLU-and-multiply two; each reads and writes the whole tensor and, on
-// a small decode batch, costs more in launching than in arithmetic. Here each is one loop. They do the same
+// In plain torch RMSNorm takes seven ops (a square, a sum, a division, an add, a reciprocal square root, two
+// multiplies; in bf16 also a conversion to fp32 and one back), RoPE four and SiLU-and-multiply two; each reads and
+// writes the whole tensor and, on a small decode batch, costs more in launching than in arithmetic. Here each is one loop. They do the same
 // floating-point operations in the same order as paged/model.py's torch code, in fp32 and in bf16 (the library is
 // compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16 values are computed in fp32
 // and rounded to bf16 where torch rounds them), and so give the same bits.
 //
 //   rms_norm      hidden [num_tokens, hidden_size] (rows contiguous), delta (the same, or None), weight [hidden_size]
-//                 hidden += delta in place, then returns F.rms_norm(hidden, weight, eps)   (the residual add fused)
+//                 hidden += delta in place, then returns F.rms_norm(hidden, weight, eps)   (vLLM's fused_add_rms_norm)
 //   rotary        x [num_tokens, heads, head_dim] (head_dim contiguous), cos and signed_sin [num_tokens, head_dim],
 //                 in place: x = x * cos + roll(x, head_dim / 2) * signed_sin   (HF's rotate_half, sign in the table)
 //   silu_and_mul  gate_up [num_tokens, 2 * intermediate] -> silu(gate) * up [num_tokens, intermediate]
 
-#include <ATen/Dispatch.h>
 #include <ATen/TensorIterator.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -24,7 +23,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -32,7 +33,8 @@ using at::BFloat16;
 using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
-constexpr int64_t kGrain = 1 << 16;  // elements below which a loop stays on one thread
+constexpr int64_t kGrain = 1 << 16;       // elements below which a loop stays on one thread
+constexpr int64_t kSmallGrain = 1 << 12;  // the same for the loops with little work per element
 
 // kLanes values of a row as floats, and back (bf16 rounded to nearest even, as torch rounds it).
 inline Vec load(const float* p) { return Vec::loadu(p); }
@@ -51,21 +53,22 @@ inline void store(BFloat16* p, const Vec& v) {
 template <typename T>
 constexpr int64_t kTorchStep = 2 * at::vec::Vectorized<T>::size();
 
+// f(T{}) with T the element type of a tensor that its op has checked is float32 or bfloat16.
+template <typename F>
+void dispatch(const Tensor& tensor, const F& f) {
+  if (tensor.scalar_type() == at::kFloat)
+    f(float{});
+  else
+    f(BFloat16{});
+}
+
 // The sum of the squares of n values, added in the order of torch's sum over a contiguous row (its cascade sum in
 // aten/src/ATen/native/cpu/SumKernel.cpp): vectors of eight values in four interleaved running sums, each summed in
 // chunks of 16 vectors so that only values of a similar size meet; the four, then the leftover values one by one,
 // then the eight lanes. Rows shorter than a vector take the same path on single values. Eight lanes, because torch
 // runs the sum of its AVX2 build on an AVX-512 CPU too (paged/model.py uses this op only on those two).
 constexpr int64_t kSumLanes = 8;
-struct Lanes {
-  float v[kSumLanes];
-  explicit Lanes(float x = 0.f) { std::fill_n(v, kSumLanes, x); }
-  Lanes operator+(const Lanes& other) const {
-    Lanes out;
-    for (int64_t i = 0; i < kSumLanes; ++i) out.v[i] = v[i] + other.v[i];
-    return out;
-  }
-};
+typedef float Lanes __attribute__((vector_size(kSumLanes * sizeof(float))));  // adds lane by lane, as a vector
 
 template <typename Acc, typename Load>
 Acc cascade_sum(Load load_at, int64_t size) {
@@ -74,47 +77,52 @@ Acc cascade_sum(Load load_at, int64_t size) {
   int64_t ceil_log2 = 1;
   while (groups > 2 && (int64_t{1} << ceil_log2) < groups) ++ceil_log2;
   const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels), level_step = int64_t{1} << level_power;
-  Acc acc[kLevels][kIlp];
-  for (auto& level : acc)
-    for (Acc& a : level) a = Acc(0.f);
+  Acc acc[kLevels][kIlp] = {};
   int64_t i = 0;
   while (i + level_step <= groups) {
     for (int64_t j = 0; j < level_step; ++j, ++i)
-      for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = acc[0][k] + load_at(i * kIlp + k);
+      for (int64_t k = 0; k < kIlp; ++k) acc[0][k] += load_at(i * kIlp + k);
     for (int64_t level = 1; level < kLevels; ++level) {       // carry a full chunk up a level
-      for (int64_t k = 0; k < kIlp; ++k) acc[level][k] = acc[level][k] + acc[level - 1][k], acc[level - 1][k] = Acc(0.f);
+      for (int64_t k = 0; k < kIlp; ++k) acc[level][k] += acc[level - 1][k], acc[level - 1][k] = Acc{};
       if ((i & ((level_step - 1) << (level * level_power))) != 0) break;
     }
   }
   for (; i < groups; ++i)
-    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = acc[0][k] + load_at(i * kIlp + k);
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] += load_at(i * kIlp + k);
   for (int64_t level = 1; level < kLevels; ++level)
-    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] = acc[0][k] + acc[level][k];
-  for (int64_t j = groups * kIlp; j < size; ++j) acc[0][0] = acc[0][0] + load_at(j);
-  for (int64_t k = 1; k < kIlp; ++k) acc[0][0] = acc[0][0] + acc[0][k];
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k] += acc[level][k];
+  for (int64_t j = groups * kIlp; j < size; ++j) acc[0][0] += load_at(j);
+  for (int64_t k = 1; k < kIlp; ++k) acc[0][0] += acc[0][k];
   return acc[0][0];
 }
 
+// squares: room for n floats, which receive the squares of x as fp32 (torch's x.float().pow(2)).
 template <typename T>
-float sum_of_squares(const T* x, int64_t n) {
-  auto square = [&](int64_t j) { const float v = static_cast<float>(x[j]); return v * v; };
-  if (n < kSumLanes) return cascade_sum<float>(square, n);
+float sum_of_squares(const T* x, int64_t n, float* squares) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = load(x + i);
+    (v * v).store(squares + i);
+  }
+  for (; i < n; ++i) squares[i] = static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  if (n < kSumLanes) return cascade_sum<float>([&](int64_t j) { return squares[j]; }, n);
   const int64_t vectors = n / kSumLanes;
   const Lanes sums = cascade_sum<Lanes>([&](int64_t j) {
-    Lanes squares;
-    for (int64_t i = 0; i < kSumLanes; ++i) squares.v[i] = square(j * kSumLanes + i);
-    return squares;
+    Lanes v;
+    std::memcpy(&v, squares + j * kSumLanes, sizeof v);
+    return v;
   }, vectors);
   float total = 0.f;
-  for (int64_t j = vectors * kSumLanes; j < n; ++j) total += square(j);
-  for (float lane : sums.v) total += lane;
+  for (int64_t j = vectors * kSumLanes; j < n; ++j) total += squares[j];
+  for (int64_t k = 0; k < kSumLanes; ++k) total += sums[k];
   return total;
 }
 
 template <typename T>
 void rms_norm_rows(T* hidden, const T* delta, const T* weight, T* out, int64_t rows, int64_t n, float eps,
                    int64_t hidden_stride, int64_t delta_stride) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSmallGrain / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> squares(n);
     for (int64_t t = begin; t < end; ++t) {
       T* h = hidden + t * hidden_stride;
       if (delta != nullptr) {                                   // the residual add, rounded to T as torch's +=
@@ -124,7 +132,7 @@ void rms_norm_rows(T* hidden, const T* delta, const T* weight, T* out, int64_t r
         for (; i < n; ++i) h[i] = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(d[i]));
       }
       // torch: rsqrt(sum(x^2) / n + eps), then (x * r) * weight in fp32, rounded once to T
-      const float r = 1.f / std::sqrt(sum_of_squares(h, n) / static_cast<float>(n) + eps);
+      const float r = 1.f / std::sqrt(sum_of_squares(h, n, squares.data()) / static_cast<float>(n) + eps);
       T* o = out + t * n;
       int64_t i = 0;
       for (; i + kLanes <= n; i += kLanes) store(o + i, (load(h + i) * Vec(r)) * load(weight + i));
@@ -150,11 +158,11 @@ Tensor rms_norm(Tensor& hidden, const std::optional<Tensor>& delta, const Tensor
     return at::rms_norm(hidden, {hidden.size(1)}, weight, eps);
   }
   Tensor out = at::empty(hidden.sizes(), hidden.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, hidden.scalar_type(), "rms_norm_cpu", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>)
-      rms_norm_rows(hidden.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
-                    weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), hidden.size(0), hidden.size(1),
-                    static_cast<float>(eps), hidden.stride(0), delta.has_value() ? delta->stride(0) : 0);
+  dispatch(hidden, [&](auto zero) {
+    using T = decltype(zero);
+    rms_norm_rows(hidden.data_ptr<T>(), delta.has_value() ? delta->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                  out.data_ptr<T>(), hidden.size(0), hidden.size(1), static_cast<float>(eps), hidden.stride(0),
+                  delta.has_value() ? delta->stride(0) : 0);
   });
   return out;
 }
@@ -168,16 +176,14 @@ template <typename T>
 inline Vec rounded(const Vec& v) { return v; }
 template <>
 inline Vec rounded<BFloat16>(const Vec& v) {  // v rounded to bf16 and read back as floats
-  BFloat16 buffer[kLanes];
-  store(buffer, v);
-  return load(buffer);
+  return std::get<0>(at::vec::convert_to_float<BFloat16>(at::vec::convert_from_float<BFloat16>(v, v)));
 }
 
 template <typename T>
 void rotary_rows(T* data, const T* c, const T* s, int64_t tokens, int64_t heads, int64_t D, int64_t stride_token,
                  int64_t stride_head) {
   const int64_t half = D / 2;
-  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, kGrain / D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, kSmallGrain / D), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t token = row / heads;
       T* v = data + token * stride_token + (row % heads) * stride_head;
@@ -208,10 +214,10 @@ Tensor& rotary(Tensor& x, const Tensor& cos_in, const Tensor& sin_in) {
                         sin.scalar_type() == x.scalar_type(),
                     "rotary: cos and signed_sin must be [num_tokens, head_dim], of x's dtype");
   TORCH_CHECK_VALUE(x.size(2) % 2 == 0, "rotary: head_dim must be even");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_cpu", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>)
-      rotary_rows(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), x.size(0), x.size(1),
-                  x.size(2), x.stride(0), x.stride(1));
+  dispatch(x, [&](auto zero) {
+    using T = decltype(zero);
+    rotary_rows(x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), x.size(0), x.size(1), x.size(2), x.stride(0),
+                x.stride(1));
   });
   return x;
 }
@@ -245,9 +251,9 @@ Tensor silu_and_mul(const Tensor& gate_up) {
                     "rows contiguous");
   const int64_t tokens = gate_up.size(0), width = gate_up.size(1) / 2;
   Tensor out = at::empty({tokens, width}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "silu_and_mul_cpu", [&] {
-    if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, BFloat16>)
-      silu_and_mul_rows(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), tokens, width, gate_up.stride(0));
+  dispatch(gate_up, [&](auto zero) {
+    using T = decltype(zero);
+    silu_and_mul_rows(gate_up.data_ptr<T>(), out.data_ptr<T>(), tokens, width, gate_up.stride(0));
   });
   return out;
 }

@@ -141,7 +141,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """hidden += delta (the residual add, in place; skipped when delta is None), then rms_norm(hidden)."""
+    """hidden += delta (the residual add, in place; skipped when delta is None), then rms_norm(hidden): vLLM's
+    fused_add_rms_norm, written in torch."""
     if delta is not None:
         hidden += delta
     return rms_norm(hidden, weight, eps)

@@ -156,7 +156,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # there the engine keeps torch's RMSNorm
         assert attention_backend("cpu", dtype).add_rms_norm is add_rms_norm
         return
-    for hidden_size in (5, 576, 4100):                                   # one partial vector; cascades of 16 vectors
+    for hidden_size in (5, 576, 4100, 40000):  # a partial vector; cascades of 16 vectors; a row torch's sum splits
         hidden = (3 * torch.randn(num_tokens, hidden_size, generator=gen)).to(dtype)
         delta, weight = torch.randn_like(hidden), torch.randn(hidden_size, generator=gen).to(dtype)
         for maybe_delta in (None, delta):
