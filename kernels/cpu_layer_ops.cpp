@@ -2,10 +2,10 @@
 //
 // In plain torch RMSNorm takes seven ops (a square, a sum, a division, an add, a reciprocal square root, two
 // multiplies; in bf16 also a conversion to fp32 and one back), RoPE four and SiLU-and-multiply two; each reads and
-// writes the whole tensor and, on a small decode batch, costs more in launching than in arithmetic. Here each is one loop. They do the same
-// floating-point operations in the same order as paged/model.py's torch code, in fp32 and in bf16 (the library is
-// compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16 values are computed in fp32
-// and rounded to bf16 where torch rounds them), and so give the same bits.
+// writes the whole tensor and, on a small decode batch, costs more in launching than in arithmetic. Here each is
+// one loop. They do the same floating-point operations in the same order as paged/model.py's torch code, in fp32
+// and in bf16 (the library is compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16
+// values are computed in fp32 and rounded to bf16 where torch rounds them), and so give the same bits.
 //
 //   rms_norm      hidden [num_tokens, hidden_size] (rows contiguous), delta (the same, or None), weight [hidden_size]
 //                 hidden += delta in place, then returns F.rms_norm(hidden, weight, eps)   (vLLM's fused_add_rms_norm)
@@ -13,8 +13,8 @@
 //                 in place: x = x * cos + roll(x, head_dim / 2) * signed_sin   (HF's rotate_half, sign in the table)
 //   silu_and_mul  gate_up [num_tokens, 2 * intermediate] -> silu(gate) * up [num_tokens, intermediate]
 
-#include <ATen/TensorIterator.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/core/Tensor.h>
@@ -238,7 +238,8 @@ void silu_and_mul_rows(const T* in, T* o, int64_t tokens, int64_t width, int64_t
       }
       for (; i < width; ++i) {
         const float g = static_cast<float>(gate[i]);
-        row[i] = static_cast<T>(static_cast<float>(static_cast<T>(g / (1.f + std::exp(-g)))) * static_cast<float>(up[i]));
+        const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+        row[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[i]));
       }
     }
   });

@@ -147,7 +147,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     last bit, in fp32 and bf16 (so the engine's tokens cannot drift from the oracle here)."""
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = (3 * torch.randn(num_tokens, 15 * 64, generator=gen)).to(dtype)
-    cos, sin = torch.randn(num_tokens, 64, generator=gen).to(dtype), torch.randn(num_tokens, 64, generator=gen).to(dtype)
+    cos, sin = (torch.randn(num_tokens, 64, generator=gen).to(dtype) for _ in range(2))
     qk = qkv[:, :12 * 64].view(num_tokens, 12, 64)                      # 9 query and 3 key heads, strided rows
     expected = apply_rope(qk, cos, sin)
     assert cpu.load().rotary(qk, cos, sin) is qk and torch.equal(qk, expected)
@@ -158,7 +158,8 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
         return
     for hidden_size in (5, 576, 4100, 40000):  # a partial vector; cascades of 16 vectors; a row torch's sum splits
         hidden = (3 * torch.randn(num_tokens, hidden_size, generator=gen)).to(dtype)
-        delta, weight = torch.randn_like(hidden), torch.randn(hidden_size, generator=gen).to(dtype)
+        delta = torch.randn(num_tokens, hidden_size, generator=gen).to(dtype)
+        weight = torch.randn(hidden_size, generator=gen).to(dtype)
         for maybe_delta in (None, delta):
             fused_hidden, torch_hidden = hidden.clone(), hidden.clone()
             fused = cpu.load().rms_norm(fused_hidden, maybe_delta, weight, 1e-5)
