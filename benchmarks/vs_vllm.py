@@ -17,9 +17,9 @@ Workloads, as in benchmarks/throughput.py:
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
 percentiles, and how many completions are token-identical; where one is not, the first position that differs and
 the logit margin there under transformers in the same dtype (a near-tie is two correct engines rounding
-differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json with the CPU and versions;
-a configuration measured by an earlier run on the same CPU and not by this one is kept there, with the command, date
-and commit that made it.
+differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json, one section per CPU with
+its versions: a configuration measured by an earlier run on the same CPU and not by this one is kept there, with the
+command, date and commit that made it, and the sections of other CPUs are kept as they were.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
@@ -230,8 +230,9 @@ def engine_commit() -> str:
 
 
 def save(rows: list[dict], out: str) -> None:
-    """Writes this run's configurations into the results file, keeping those of earlier runs on the same CPU that
-    this one did not measure again; each configuration carries the command, date and commit that measured it."""
+    """Writes this run's configurations into this CPU's section of the results file, keeping those of earlier runs on
+    the same CPU that this one did not measure again, and every other CPU's section as it was; each configuration
+    carries the command, date and commit that measured it."""
     import torch
     import transformers
     command = "python benchmarks/vs_vllm.py " + " ".join(sys.argv[1:])
@@ -243,17 +244,19 @@ def save(rows: list[dict], out: str) -> None:
     key = lambda row: (row["workload"], row["dtype"], row["threads"])
     path = Path(out)
     cpu = cpu_description()
-    earlier = json.loads(path.read_text()) if path.exists() else {}
-    kept = earlier.get("configurations", []) if earlier.get("cpu") == cpu else []  # another CPU's runs: replaced
+    machines = json.loads(path.read_text())["machines"] if path.exists() else []
+    earlier = next((machine for machine in machines if machine["cpu"] == cpu), None)
+    kept = earlier["configurations"] if earlier else []
     measured = {key(row): row for row in kept} | {key(row): row for row in rows}
     order = {k: i for i, k in enumerate(MATRIX)}
-    result = {"cpu": cpu,
-              "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
-                           **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
-              "configurations_asked": len(MATRIX),
-              "configurations": sorted(measured.values(), key=lambda row: order.get(key(row), len(order)))}
+    machine = {"cpu": cpu,
+               "versions": {"paged torch": torch.__version__, "transformers": transformers.__version__,
+                            **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
+               "configurations_asked": len(MATRIX),
+               "configurations": sorted(measured.values(), key=lambda row: order.get(key(row), len(order)))}
+    machines = [machine if m is earlier else m for m in machines] + ([] if earlier else [machine])
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps({"machines": machines}, indent=1) + "\n")
 
 
 def main():
