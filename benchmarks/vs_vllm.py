@@ -254,7 +254,10 @@ def save(rows: list[dict], out: str) -> None:
                             **{f"vllm env {k}": v for k, v in rows[0]["vllm"]["versions"].items()}},
                "configurations_asked": len(MATRIX),
                "configurations": sorted(measured.values(), key=lambda row: order.get(key(row), len(order)))}
-    machines = [machine if m is earlier else m for m in machines] + ([] if earlier else [machine])
+    if earlier:
+        machines[machines.index(earlier)] = machine
+    else:
+        machines.append(machine)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machines": machines}, indent=1) + "\n")
 
