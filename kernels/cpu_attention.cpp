@@ -7,7 +7,7 @@
 // pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
 // own thread pool (at::parallel_for), longest first, each thread taking the next task as it needs one, so
 // ragged sequences do not leave a core idle. While a block is computed, the next one's rows are requested from
-// memory into the L2 cache, a few cache lines after each group of scores.
+// memory into the L2 cache, a few cache lines at a time over all of the block's work.
 //
 //   query            [num_tokens, num_heads, head_dim]                  any strides, head_dim contiguous
 //   key_cache        [num_blocks, block_size, num_kv_heads, head_dim]   NHD; value_cache the same
@@ -214,8 +214,12 @@ struct PagedAttention {
                            ahead_tile->kv_head * stride_head;
         ahead = Prefetch(key_cache + at, value_cache + at, bs, stride_slot, ahead_tile->num_kv_heads * D);
       }
+      // A third of its lines are requested among the scores, the rest before each row's weighted sum of V: spread
+      // over the whole block's work, not bunched in its first part, the requests keep the memory busy throughout.
       const int64_t score_calls = rows * ((n + 3) / 4);
-      const int64_t lines_per_call = (ahead.lines() + score_calls - 1) / score_calls;
+      const int64_t lines_among_scores = ahead.lines() / 3;
+      const int64_t lines_per_call = (lines_among_scores + score_calls - 1) / score_calls;
+      const int64_t lines_per_row = (ahead.lines() - lines_among_scores + rows - 1) / rows;
       for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
         const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
         const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
@@ -231,7 +235,6 @@ struct PagedAttention {
         for (int64_t r = 0; r < rows; ++r)
           dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t),
               ahead.issue(lines_per_call);
-      ahead.issue(ahead.lines());                                  // what is left, if any
       for (int64_t r = 0; r < rows; ++r) {
         // keys after the row's own position are masked (only in a prefill tile's last blocks)
         const int64_t visible = std::clamp<int64_t>(tile.first_pos + r / G - start + 1, 0, n);
@@ -244,6 +247,7 @@ struct PagedAttention {
         float* acc = s.acc.data() + r * D;
         if (alpha != 1.f) rescale(alpha, acc, D);
         s.m[r] = m_new;
+        ahead.issue(lines_per_row);
         weighted_sum(p, v + (r % G) / group * kv_stride, visible, acc, D);  // acc += p @ V
       }
     }
