@@ -30,6 +30,7 @@ from throughput import chat_prompts
 PARTS = {  # aten op -> what it does in a decode step of paged/model.py, whichever attention runs
     "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
     "mkldnn::_linear_pointwise": "matmuls (QKV, O, gate/up, down, LM head)",   # on weights packed for oneDNN
+    "aten::amax": "sampling",      # greedy_tokens: each chunk's maximum, then argmax over chunks and within one
     "aten::argmax": "sampling",
 }
 ATTENTION_PARTS = {  # attention backend -> its ops -> what they do

@@ -6,6 +6,7 @@ gets each sampled token's log-probability and its `logprobs` most likely alterna
 vLLM does by default, from the model's raw logits: before temperature, top-k or top-p reshape them.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -113,10 +114,28 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits).softmax(dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1): each row's first maximum (a NaN counts as the maximum, as in argmax), in two passes.
+
+    torch's argmax on a CPU walks a row one element at a time, where its max reduction runs on the vector lanes; at
+    batch 64 with a 49,152-token vocabulary that is the difference between a few milliseconds a step and a few
+    tenths. So each row is cut into chunks: the first chunk whose maximum is the row's, then the first maximum in it.
+    logits [rows, vocab] -> int64 [rows].
+    """
+    rows, vocab = logits.shape
+    chunk = math.gcd(vocab, 256)                                 # a chunk size that divides the vocabulary
+    if chunk < 64:                                               # none worth the second pass: argmax itself
+        return logits.argmax(dim=-1)
+    chunks = logits.unflatten(-1, (vocab // chunk, chunk))       # [rows, vocab / chunk, chunk], a view
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)              # [rows]
+    within = chunks[torch.arange(rows, device=logits.device), best_chunk].argmax(dim=-1)  # [rows]
+    return best_chunk * chunk + within
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> list[int]:
     """logits [rows, vocab] fp32, one row per sequence; returns one token id per row."""
-    tokens = logits.argmax(dim=-1)                                              # [rows]; right for greedy rows
+    tokens = greedy_tokens(logits)                                              # [rows]; right for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)

@@ -4,10 +4,12 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
 from paged import SamplingParams
-from paged.sampling import filter_logits
+from paged.sampling import filter_logits, greedy_tokens
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -129,6 +131,19 @@ def test_top_k_and_top_p_filters():
     assert (probs[0] > 0).tolist() == [True, True, False, False, False]  # the smallest set reaching top_p
     probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([1e-6]))
     assert (probs[0] > 0).tolist() == [True, False, False, False, False]  # the top token always survives
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([2, 7, 64, 256, 320, 1000, 1536]), st.integers(0, 2**31 - 1))
+def test_greedy_tokens_is_argmax(rows, vocab, seed):
+    """Ties (few distinct values), -inf rows and NaN, vocabularies cut into chunks or not: argmax's answer exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, vocab), generator=generator).float()
+    special = torch.rand(rows, vocab, generator=generator)
+    logits[special < 0.05] = float("-inf")
+    logits[special > 0.995] = float("nan")
+    logits[0] = float("-inf") if seed % 3 == 0 else logits[0]
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 BAD_PARAMS = [
