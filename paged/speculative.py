@@ -40,7 +40,7 @@ from .validation import integer
 from .kv_cache import KVCache
 from .model import PagedLlama
 from .rejection_sampler import greedy_accept, rejection_sample
-from .sampling import filter_logits
+from .sampling import filter_logits, greedy_tokens
 
 MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
@@ -160,10 +160,11 @@ class DraftModelProposer:
             chunks, order = [chunks[i] for i in decodes_first], [order[i] for i in decodes_first]
             input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.model.device)
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)  # [seqs, vocab]
+            greedy = greedy_tokens(logits).tolist()                                                   # [seqs]
             for row, seq in enumerate(order):
                 params = seq.params
                 if params.greedy:
-                    token = int(logits[row].argmax())
+                    token = greedy[row]
                 else:
                     q = filtered_probs(logits[row:row + 1], params)[0]                           # [vocab]
                     token = int(torch.multinomial(q, 1, generator=seq.generator or default_generator))
@@ -245,7 +246,7 @@ class Speculator:
         Returns the 1..k + 1 tokens to append."""
         drafts = seq.spec_token_ids
         if seq.params.greedy:
-            return greedy_accept(logits.argmax(dim=-1).tolist(), drafts)
+            return greedy_accept(greedy_tokens(logits).tolist(), drafts)
         draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[:len(drafts)]
         return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs,
                                 seq.generator or default_generator)
