@@ -60,12 +60,18 @@ def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
     return [max(1, round(r.output_len * cap / high)) for r in trace]
 
 
+def record_steps(engine, steps: list) -> None:
+    """Appends (tokens computed, logits rows) of every step the engine runs from now on to steps: a sequence whose
+    step reaches its last token samples from one logits row."""
+    engine.forward_observers.append(lambda plan: steps.append((plan.num_batched_tokens, sum(
+        1 for seq, n in plan.scheduled if seq.num_computed_tokens + n == seq.num_tokens))))
+
+
 def run_paged(model, tokenizer, prompts, lengths, steps=None, **engine_args):
     """The paged engine's tokens and seconds; steps, if a list, gets (tokens computed, logits rows) of every step."""
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, **engine_args)
-    if steps is not None:   # a sequence whose step reaches its last token samples from one logits row
-        llm.engine.forward_observers.append(lambda plan: steps.append((plan.num_batched_tokens, sum(
-            1 for seq, n in plan.scheduled if seq.num_computed_tokens + n == seq.num_tokens))))
+    if steps is not None:
+        record_steps(llm.engine, steps)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outs, seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     return [o.outputs[0].token_ids for o in outs], seconds
@@ -129,12 +135,12 @@ class Matmuls:
         paged = PagedLlama(model)   # the engine's own fused (and, where it packs, packed) weights
         self.layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in paged.layers]
         self.lm_head = paged.lm_head
-        self.hidden_size = model.config.hidden_size
+        self.hidden_size, self.dtype = model.config.hidden_size, model.dtype
 
     @torch.no_grad()
     def seconds(self, tokens: int, logits_rows: int, repeats: int = 3) -> float:
         """The fastest of repeats: every layer's matmuls over tokens rows, the LM head over logits_rows."""
-        hidden = torch.randn(tokens, self.hidden_size)
+        hidden = torch.randn(tokens, self.hidden_size, dtype=self.dtype)
 
         def one_step():
             x = hidden

@@ -15,11 +15,14 @@ Workloads, as in benchmarks/throughput.py:
   prefix   the fixed workload behind one shared ~450-token system prompt, prefix caching on in both engines
            (off in both for the other two)
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
-percentiles, and how many completions are token-identical; where one is not, the first position that differs and
-the logit margin there under transformers in the same dtype (a near-tie is two correct engines rounding
-differently; a wide margin is a bug). Everything goes to benchmarks/results/vs_vllm.json, one section per CPU with
-its versions: a configuration measured by an earlier run on the same CPU and not by this one is kept there, with the
-command, date and commit that made it, and the sections of other CPUs are kept as they were.
+percentiles, the matmul-only ceiling with each engine's share of it (benchmarks/throughput.py's: the model's matmuls
+alone over every step of this engine's last turn, timed in a process of its own on the same cores; an engine that
+computes the same tokens in steps of about the same shapes cannot beat it), and how many completions are
+token-identical; where one is not, the first position that differs and the logit margin there under transformers in the
+same dtype (a near-tie is two correct engines rounding differently; a wide margin is a bug). Everything goes to
+benchmarks/results/vs_vllm.json, one section per CPU with its versions: a configuration measured by an earlier run on
+the same CPU and not by this one is kept there, with the command, date and commit that made it, and the sections of
+other CPUs are kept as they were.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
@@ -57,14 +60,28 @@ def worker_paged(spec: dict) -> dict:
               max_num_seqs=spec["max_running"], enable_prefix_caching=spec["prefix_caching"])
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["lengths"]]
     llm.generate(spec["prompts"][:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    from throughput import record_steps
+    steps = []
+    record_steps(llm.engine, steps)
     start = time.perf_counter()
     outs = llm.generate(spec["prompts"], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     times = [o.metrics.token_times for o in outs]
-    return {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs],
+    return {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs], "steps": steps,
             "ttft": [o.metrics.ttft for o in outs],
             "tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
             "versions": {"torch": torch.__version__}}
+
+
+def worker_ceiling(spec: dict) -> dict:
+    """Seconds of the model's matmuls alone over the steps in spec (tokens computed, logits rows each)."""
+    import torch
+    torch.set_num_threads(spec["threads"])
+    from throughput import Matmuls
+
+    from paged.models import load_hf_model
+    model, _ = load_hf_model(dtype=getattr(torch, spec["dtype"]))
+    return {"seconds": Matmuls(model).workload_seconds([tuple(step) for step in spec["steps"]])}
 
 
 def worker_vllm(spec: dict) -> dict:
@@ -173,6 +190,8 @@ def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_py
         for engine, python in (("paged", sys.executable), ("vllm", vllm_python)):
             print(f"  {name}, {dtype}, {threads} thread(s): {engine}, turn {turn + 1} of {turns}", flush=True)
             runs[engine].append(run_worker(engine, python, spec, threads, dtype))
+    print(f"  {name}, {dtype}, {threads} thread(s): matmul-only ceiling over this engine's steps", flush=True)
+    ceiling = run_worker("ceiling", sys.executable, {**spec, "steps": runs["paged"][-1]["steps"]}, threads, dtype)
     for label, (options, env) in ABLATIONS.items() if ablations else ():
         print(f"  {name}, {dtype}, {threads} thread(s): {label}", flush=True)
         runs[label] = [run_worker("vllm", vllm_python, {**spec, **options}, threads, dtype, env)]
@@ -185,6 +204,7 @@ def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_py
                        "ttft_s": percentiles(results[-1]["ttft"]), "tpot_s": percentiles(results[-1]["tpot"]),
                        "versions": results[-1]["versions"]}
     row["ratio"] = row["paged"]["tok_s"] / row["vllm"]["tok_s"]
+    row["ceiling_tok_s"] = new_tokens / ceiling["seconds"]
     row["ablations"] = {label: row.pop(label)["tok_s"] for label in ABLATIONS if label in row}
     ours, theirs = runs["paged"][-1]["tokens"], runs["vllm"][-1]["tokens"]
     differences = []
@@ -208,6 +228,9 @@ def report(row: dict) -> None:
         ttft, tpot = row[engine]["ttft_s"], row[engine]["tpot_s"]
         print(f"{'':>20}{engine:>6}: TTFT p50 {ms(ttft['p50'])} p99 {ms(ttft['p99'])}, "
               f"TPOT p50 {ms(tpot['p50'])} p99 {ms(tpot['p99'])}")
+    share = lambda engine: row[engine]["tok_s"] / row["ceiling_tok_s"]
+    print(f"{'':>20}matmul-only ceiling over this engine's steps {row['ceiling_tok_s']:7.1f} tok/s: "
+          f"paged at {share('paged'):.0%} of it, vLLM at {share('vllm'):.0%}")
     for label, rate in row["ablations"].items():
         print(f"{'':>20}{label}: {rate:7.1f} tok/s")
     for difference in row["differences"]:
@@ -278,7 +301,7 @@ def main():
     if args.worker:
         engine, spec_file, out_file = args.worker
         spec = json.loads(Path(spec_file).read_text())
-        result = (worker_paged if engine == "paged" else worker_vllm)(spec)
+        result = {"paged": worker_paged, "vllm": worker_vllm, "ceiling": worker_ceiling}[engine](spec)
         Path(out_file).write_text(json.dumps(result))
         return
     if not Path(args.vllm_python).exists():
