@@ -1,12 +1,15 @@
 """benchmarks/vs_vllm.py keeps every configuration it was asked for across runs: a run replaces the ones it measured
-again on the same CPU and keeps the rest, and each CPU's runs stay in a section of their own. vLLM itself never runs
-here."""
+again on the same CPU and keeps the rest, and each CPU's runs stay in a section of their own; the steps it times the
+matmul ceiling over are the ones the engine computed. vLLM itself never runs here."""
 
 import importlib
 import json
 from pathlib import Path
 
 import pytest
+from helpers import make_tiny_llm
+
+from paged import SamplingParams
 
 
 @pytest.fixture
@@ -52,3 +55,20 @@ def test_another_cpus_section_is_kept_as_it_was(vs_vllm, tmp_path):
     assert other == earlier["machines"][0]
     assert this["cpu"] == vs_vllm.cpu_description()
     assert [(r["workload"], r["threads"]) for r in this["configurations"]] == [("fixed", 2), ("steady", 2)]
+
+
+@pytest.mark.parametrize("budget", [None, 8])
+def test_the_ceiling_gets_every_token_the_engine_computed_and_every_row_it_sampled(vs_vllm, tiny_model, budget):
+    from throughput import record_steps
+    chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=4) if budget else {}
+    llm = make_tiny_llm(tiny_model, **chunked)
+    steps = []
+    record_steps(llm.engine, steps)
+    prompts, lengths = [list(range(10, 15)), list(range(20, 29))], [3, 1]
+    llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths],
+                 use_tqdm=False)
+    # every prompt token once, and every output token but the last of each request (it is sampled, not computed)
+    assert sum(tokens for tokens, _ in steps) == sum(map(len, prompts)) + sum(n - 1 for n in lengths)
+    assert sum(rows for _, rows in steps) == sum(lengths)        # one logits row for each token sampled
+    # whole prompts; or the 9-token prompt in chunks of what the budget leaves, its row in the step that ends it
+    assert steps == ([(14, 2), (1, 1), (1, 1)] if budget is None else [(8, 1), (7, 2), (1, 1)])
