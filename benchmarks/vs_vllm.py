@@ -16,8 +16,9 @@ Workloads, as in benchmarks/throughput.py:
            (off in both for the other two)
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
 percentiles, the matmul-only ceiling with each engine's share of it (benchmarks/throughput.py's: the model's matmuls
-alone over every step of this engine's last turn, timed in a process of its own on the same cores; an engine that
-computes the same tokens in steps of about the same shapes cannot beat it), and how many completions are
+alone over every step of this engine's turn, timed in a process of its own on the same cores after each turn, median
+of the turns; an engine that computes the same tokens in steps of about the same shapes cannot beat it), and how many
+completions are
 token-identical; where one is not, the first position that differs and the logit margin there under transformers in the
 same dtype (a near-tie is two correct engines rounding differently; a wide margin is a bug). Everything goes to
 benchmarks/results/vs_vllm.json, one section per CPU with its versions: a configuration measured by an earlier run on
@@ -186,12 +187,15 @@ def margins(spec: dict, dtype: str, differences: list[dict]) -> None:
 def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_python: str,
             ablations: bool = False) -> dict:
     runs = {"paged": [], "vllm": []}
+    ceilings = []   # each turn's, timed right after its two engines, so that a machine that drifts moves all three
     for turn in range(turns):
         for engine, python in (("paged", sys.executable), ("vllm", vllm_python)):
             print(f"  {name}, {dtype}, {threads} thread(s): {engine}, turn {turn + 1} of {turns}", flush=True)
             runs[engine].append(run_worker(engine, python, spec, threads, dtype))
-    print(f"  {name}, {dtype}, {threads} thread(s): matmul-only ceiling over this engine's steps", flush=True)
-    ceiling = run_worker("ceiling", sys.executable, {**spec, "steps": runs["paged"][-1]["steps"]}, threads, dtype)
+        print(f"  {name}, {dtype}, {threads} thread(s): matmul-only ceiling over this engine's steps, turn "
+              f"{turn + 1} of {turns}", flush=True)
+        steps = runs["paged"][-1]["steps"]
+        ceilings.append(run_worker("ceiling", sys.executable, {**spec, "steps": steps}, threads, dtype))
     for label, (options, env) in ABLATIONS.items() if ablations else ():
         print(f"  {name}, {dtype}, {threads} thread(s): {label}", flush=True)
         runs[label] = [run_worker("vllm", vllm_python, {**spec, **options}, threads, dtype, env)]
@@ -204,7 +208,8 @@ def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_py
                        "ttft_s": percentiles(results[-1]["ttft"]), "tpot_s": percentiles(results[-1]["tpot"]),
                        "versions": results[-1]["versions"]}
     row["ratio"] = row["paged"]["tok_s"] / row["vllm"]["tok_s"]
-    row["ceiling_tok_s"] = new_tokens / ceiling["seconds"]
+    row["ceiling_tok_s_turns"] = [new_tokens / ceiling["seconds"] for ceiling in ceilings]
+    row["ceiling_tok_s"] = statistics.median(row["ceiling_tok_s_turns"])
     row["ablations"] = {label: row.pop(label)["tok_s"] for label in ABLATIONS if label in row}
     ours, theirs = runs["paged"][-1]["tokens"], runs["vllm"][-1]["tokens"]
     differences = []
@@ -229,7 +234,8 @@ def report(row: dict) -> None:
         print(f"{'':>20}{engine:>6}: TTFT p50 {ms(ttft['p50'])} p99 {ms(ttft['p99'])}, "
               f"TPOT p50 {ms(tpot['p50'])} p99 {ms(tpot['p99'])}")
     share = lambda engine: row[engine]["tok_s"] / row["ceiling_tok_s"]
-    print(f"{'':>20}matmul-only ceiling over this engine's steps {row['ceiling_tok_s']:7.1f} tok/s: "
+    turns = ", ".join(f"{rate:.1f}" for rate in row["ceiling_tok_s_turns"])
+    print(f"{'':>20}matmul-only ceiling over this engine's steps {row['ceiling_tok_s']:7.1f} tok/s (turns: {turns}): "
           f"paged at {share('paged'):.0%} of it, vLLM at {share('vllm'):.0%}")
     for label, rate in row["ablations"].items():
         print(f"{'':>20}{label}: {rate:7.1f} tok/s")
