@@ -16,14 +16,13 @@ Workloads, as in benchmarks/throughput.py:
            (off in both for the other two)
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
 percentiles, the matmul-only ceiling with each engine's share of it (benchmarks/throughput.py's: the model's matmuls
-alone over every step of this engine's turn, timed in a process of its own on the same cores after each turn, median
-of the turns; an engine that computes the same tokens in steps of about the same shapes cannot beat it), and how many
-completions are
-token-identical; where one is not, the first position that differs and the logit margin there under transformers in the
-same dtype (a near-tie is two correct engines rounding differently; a wide margin is a bug). Everything goes to
-benchmarks/results/vs_vllm.json, one section per CPU with its versions: a configuration measured by an earlier run on
-the same CPU and not by this one is kept there, with the command, date and commit that made it, and the sections of
-other CPUs are kept as they were.
+alone over every step of this engine's turn, timed in a process of its own on the same cores after each turn, median of
+the turns; an engine that computes the same tokens in steps of about the same shapes cannot beat it), and how many
+completions are token-identical; where one is not, the first position that differs and the logit margin there under
+transformers in the same dtype (a near-tie is two correct engines rounding differently; a wide margin is a bug).
+Everything goes to benchmarks/results/vs_vllm.json, one section per CPU with its versions: a configuration measured by
+an earlier run on the same CPU and not by this one is kept there, with the command, date and commit that made it, and
+the sections of other CPUs are kept as they were.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
