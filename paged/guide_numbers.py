@@ -178,8 +178,8 @@ def guide_numbers() -> list[GuideNumber]:
                                          "it then gives paging", key=r"64 \(naive\)"),
         GuideNumber("02", "four-request example: slots holding tokens", four.live, "slots", 2880, key=r"2,880"),
         GuideNumber("02", "four-request example: slots reserved", four.allocated, "slots", 8192, key=r"8,192"),
-        GuideNumber("02", "four-request example: reserved slots wasted", 100 * four.wasted_fraction, "%", 64.8, 1,
-                    key=r"64\.8"),
+        GuideNumber("02", "four-request example: reserved slots wasted (guide: '~65%')", 100 * four.wasted_fraction,
+                    "%", 65, shown_decimals=1, key=r"64\.8"),
         GuideNumber("03", "block table [200, 512] int32", block_table_bytes(200, 8192, 16) / KiB, "KiB", 400,
                     note="200 sequences of up to 8,192 tokens at block size 16", key=r"400 KiB"),
         GuideNumber("04", "time to read those 16 MiB at 3.35 TB/s", read_time_s(g.decode_read_bytes(4096, 1)) * 1e6,
@@ -202,7 +202,8 @@ def guide_numbers() -> list[GuideNumber]:
         GuideNumber("01", "§1: memory left per card, 70B fp16 weights on two 80 GB H100s",
                     (2 * H100_MEMORY - weights) / 2 / GB, "GB", 20, -1,
                     note=f"2 x 85.5 GB - 141.2 GB of weights = {(2 * H100_MEMORY - weights) / GB:.1f} GB for both "
-                         "cards, about 15 per card; the guide's 160 - 140 = 20 is both cards' together",
+                         "cards, about 15 per card; the guide's 20 per card is what both keep together at nominal "
+                         "sizes (160 - 140 GB)",
                     shown_decimals=1, key=r"\(15 GB\) per card|14\.9 GB"),
         GuideNumber("01", "§8: memory left per card, the same weights over four 80 GB H100s",
                     (H100_MEMORY - weights / 4) / GiB, "GiB", 50, -1,
