@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The book's GPU check, in one run of under ten minutes on one H200 (guide §7, §17):
+# The book's GPU check, sized for one run of under ten minutes on one H200 (guide §7, §17):
 #   1. the kernel tests on the GPU (tests/test_kernels.py, tests/test_lora_kernel.py: with CUDA present they put
 #      their tensors there and compile the kernels; nothing needs setting);
 #   2. benchmarks/kernel_bench.py, on a grid cut to fit the time (KERNEL_BENCH_ARGS replaces it);
-#   3. benchmarks/gpu_engine_check.py: the engine against transformers on random-weight SmolLM2- and
-#      Llama-3-8B-shaped models in bf16 with the Triton backend, and decode tok/s at a few batch sizes.
+#   3. benchmarks/gpu_engine_check.py: the engine against transformers on random-weight SmolLM2-, Llama-3-8B- and
+#      Qwen3-shaped models in bf16 with the Triton backend, and decode tok/s at a few batch sizes.
 # Every figure is printed; the benchmark's table and plot go to $OUT (or benchmarks/results).
 #
 #   benchmarks/gpu_check.sh          on a CUDA machine, with whatever python3 holds torch, triton and transformers
