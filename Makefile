@@ -1,4 +1,4 @@
-# Every target creates .venv on first use and installs everything into it.
+# Every target that runs Python creates .venv on first use and installs everything into it.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin

@@ -12,7 +12,7 @@
    other process). The cores are split evenly: the colocated LLM runs with 2 torch threads, each worker with 1.
    A colocated LLM with chunked prefill (a small token budget, Sarathi's answer) is the third peer, and the
    colocated LLM on one thread the fourth (on a loaded machine two OpenMP threads can be slower than one).
-Only ratios within one run mean anything: the machine is shared.
+Only ratios within one run mean anything: a machine shared with other work is noisy.
 """
 
 import argparse

@@ -9,7 +9,8 @@ then
     logit of its token minus its logit of the engine's token; random weights give flat logits, so a difference
     at a margin of a few bf16 steps is a near-tie, not a bug). The median gap between the top two logits over
     all positions is printed beside it for scale;
-  - whether the forward pass waits for the GPU: one step runs under torch.cuda.set_sync_debug_mode("error");
+  - whether the forward pass waits for the GPU: a prefill and a decode step run under
+    torch.cuda.set_sync_debug_mode("error");
   - decode throughput at a few batch sizes: the time of `max_tokens` tokens minus that of one (the prefill),
     per decoded token.
 

@@ -7,7 +7,8 @@
 
 Recompute is timed as the prefill step of an n-token prompt; swap as copying the sequence's blocks to the tier and
 back (`offload.KVTier.save` + `load`). The disk tier is a memory-mapped file: its writes land in the page cache
-first, so it measures mapping and copying, not the device. The machines are shared: only ratios in one run count.
+first, so it measures mapping and copying, not the device. On a machine shared with other work only ratios in one
+run count.
 """
 
 import argparse

@@ -19,7 +19,7 @@ is bound by reading weights (small batches) and costs k + 1 decodes once it is b
 batches): that is where speculation stops paying. The last table times single forward passes (a decode step and
 a verify step, `paged.speculative_cost.measure_step`) at batch sizes up to --cost-batches' largest, and says for each
 measured acceptance rate the first batch size at which speculation stops paying, beside what the fitted step
-cost of paged.step_cost predicts (`crossover_batch`). The machines are shared: only ratios in one run count.
+cost of paged.step_cost predicts (`crossover_batch`). On a machine shared with other work only ratios in one run count.
 """
 
 import argparse
@@ -127,7 +127,8 @@ def main():
     parser.add_argument("--cost-batches", default="1,4,16,64,128", help="batch sizes of the cost-model table")
     parser.add_argument("--context", type=int, default=200, help="context of the cost-model table's sequences")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; on a shared 2-core CPU two threads make small steps 5x slower")
+                        help="torch threads; on a small CPU shared with other work, two threads can make small "
+                             "steps slower")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_hf_model()

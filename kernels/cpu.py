@@ -4,9 +4,9 @@
     paged_decode_attention   one new token per sequence attends to its context, read in place in the pool
     paged_prefill_attention  a chunk of new tokens per sequence attends causally to its context and itself
 
-Same signatures, semantics and input checks (kernels/checks.py) as the Triton kernels, so the same bad input
-raises the same ValueError. The same library holds three small per-layer ops of the Llama block, fused
-(kernels/cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
+The Triton kernels' arguments (less their version and split choices), semantics and input checks (kernels/checks.py),
+so the same bad input raises the same ValueError. The same library holds three small per-layer ops of the Llama block,
+fused (kernels/cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
 uses beside the kernel.
 
 The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are

@@ -1,4 +1,5 @@
-// Three small per-layer ops of the Llama block, each fused into one pass over its tensor, for a CPU (guide §7).
+// Three small per-layer ops of the Llama block, each fused into one pass over its tensor, for a CPU (guide §11: the
+// engine step, whose time they share with the matmuls and the kernel of §7).
 //
 // In plain torch RMSNorm takes seven ops (a square, a sum, a division, an add, a reciprocal square root, two
 // multiplies; in bf16 also a conversion to fp32 and one back), RoPE four and SiLU-and-multiply two; each reads and

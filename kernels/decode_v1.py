@@ -1,6 +1,6 @@
 """Paged decode attention, version 1: one program per (sequence, query head) (guide §7 "the paged kernel").
 
-This is the guide's pseudocode, line for line. At decode time every sequence brings one new query vector per
+This is the guide's §5 pseudocode, line for line. At decode time every sequence brings one new query vector per
 head and must attend to all `context_len` keys and values it has cached. Those do not sit in one contiguous
 array: they are scattered over fixed-size blocks of the pool, and the sequence's row of the block table lists
 them in order. So the program walks its table:

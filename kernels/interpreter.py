@@ -1,4 +1,4 @@
-"""Running the kernels without a GPU: Triton's interpreter (DESIGN.md, section Kernels).
+"""Running the kernels without a GPU: Triton's interpreter (guide §7; chapter 04 runs its kernels this way).
 
 With TRITON_INTERPRET=1, @triton.jit returns an InterpretedFunction instead of a compiled kernel, and a launch
 runs every program of the grid one after another in numpy. The switch is read when a function is decorated,

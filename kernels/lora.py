@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_M = 16          # tokens per program (tl.dot needs at least 16)
+_BLOCK_M = 16          # tokens per program (older Triton releases need at least 16 for tl.dot)
 _BLOCK_N = 64          # output columns per program
 _BLOCK_K = 32          # reduction step
 

@@ -1,4 +1,4 @@
-"""What differs between the Llama-family decoders the engine runs (guide §5): one description per architecture.
+"""What differs between the Llama-family decoders the engine runs (guide §2): one description per architecture.
 
 Llama, Mistral, Qwen2 and Qwen3 are the same decoder: RMSNorm, fused QKV, RoPE, attention, O, RMSNorm, SiLU-gated
 MLP. They differ in a few switches, and only these switches; the forward pass (model.py) reads them:

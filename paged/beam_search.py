@@ -2,9 +2,10 @@
 they have in common; only a partial last block is ever copied (copy-on-write, on the first write after a fork).
 
 Each step runs one forward pass over every live beam of every prompt, scores the 2 * beam_width best next tokens
-of each beam by cumulative log-probability, and keeps the best beam_width candidates per prompt (as vLLM's
-`LLM.beam_search`). A kept candidate continues its parent's sequence if it is the parent's first kept child,
-otherwise it forks the parent; a parent with no kept child is freed. Candidates that end in EOS are complete.
+of each beam by cumulative log-probability, and keeps the best beam_width candidates per prompt, as vLLM's
+`LLM.beam_search` does. A kept candidate continues its parent's sequence if it is the parent's first kept child,
+otherwise it forks the parent; a parent with no kept child is freed. A kept candidate that ends in EOS is complete
+and takes one of the beam_width places (vLLM sets such candidates aside and keeps beam_width others going).
 """
 
 from dataclasses import dataclass, field

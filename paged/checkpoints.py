@@ -1,4 +1,4 @@
-"""Bring your own model: a Llama, Mistral, Qwen2 or Qwen3 checkpoint folder, read straight into the engine (guide §5).
+"""Bring your own model: a Llama, Mistral, Qwen2 or Qwen3 checkpoint folder, read straight into the engine (guide §2).
 
     LLM(model="/path/to/Qwen3-0.6B")        a folder in transformers' format
     LLM(model="Qwen/Qwen3-0.6B")            a model already in the local Hugging Face cache (never downloaded)

@@ -3,11 +3,11 @@
     config = EngineConfig(block_size=16, max_num_seqs=8, enable_prefix_caching=True)
     engine = LLMEngine(model, tokenizer, config)          # or LLMEngine(model, tokenizer, block_size=16, ...)
 
-Every limit on the settings and its error message live here: a bad value is a ValueError naming the argument,
-raised before any engine part is built. `LLM` builds one from its keyword arguments (vLLM's names), `LLMEngine`,
-its `Scheduler` and the disaggregation workers share it; it is a plain dataclass, so it pickles into a worker
-process. `for_model` completes it with what the model decides (its length, vocabulary, end-of-sequence tokens and
-the pool's block count), and `check_prompt` then holds every check a request must pass to be served.
+Every limit on the settings and its error message live here: a bad value is a ValueError naming the argument, raised
+before any engine part is built. `LLM` builds one from its keyword arguments (vLLM's names where vLLM has the
+setting), `LLMEngine`, its `Scheduler` and the disaggregation workers share it; it is a plain dataclass, so it pickles
+into a worker process. `for_model` completes it with what the model decides (its length, vocabulary, end-of-sequence
+tokens and the pool's block count), and `check_prompt` then holds every check a request must pass to be served.
 """
 
 import dataclasses
@@ -42,7 +42,7 @@ class EngineConfig:
     swap_space: float = 1.0                    # GiB of swap tier
     kv_offloading_size: float | None = None    # GiB of prefix-cache tier; None: none
     kv_offload_dir: str | None = None          # a folder for the tiers as memory-mapped files; None: host memory
-    speculative_config: dict | None = None     # vLLM's keys (guide §14)
+    speculative_config: dict | None = None     # vLLM's keys, and draft_layers (guide §14)
     enable_lora: bool = False                  # guide §16
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -65,7 +65,7 @@ HEARTBEAT_S = 1.0  # a busy worker says it is alive at least this often
 # One direction of the links a handoff may cross between machines' GPUs, in bytes/s (datasheet peaks; a real
 # transfer gets less). The handoff of a request costs its prompt's K/V bytes over one of these.
 LINKS = {
-    "PCIe Gen5 x16": 64e9,                  # 32 GT/s x 16 lanes, 128b/130b coding: ~63 GB/s each way
+    "PCIe Gen5 x16": 64e9,                  # 32 GT/s x 16 lanes each way, before 128b/130b coding (~63 after)
     "NVLink 4 (H100 SXM)": 450e9,           # 900 GB/s per GPU, both directions together
     "RDMA, 400 Gb/s InfiniBand NDR": 50e9,  # one NIC; a DGX H100 has eight
 }

@@ -1,4 +1,4 @@
-"""The guide's figures in one table, each recomputed by this package beside the value the guide states (guide §17-§19).
+"""The guide's figures in one table, each recomputed by this package beside the value the guide states (guide §1-§18).
 
 Every chapter of the book checks a few of the guide's numbers where its mechanism is built. This module gathers them:
 `guide_numbers()` returns one `GuideNumber` per figure, with the value the package computes, the value the guide

@@ -168,7 +168,8 @@ def read_adapter_config(path: str) -> dict:
 def load_adapter(request: LoRARequest, slices: dict[str, TargetSlice], num_layers: int,
                  max_lora_rank: int) -> LoRAAdapter:
     """Read and check one adapter; raises ValueError (naming the file, the field and the limit) if it cannot be
-    served on this model. Returns fp32 host tensors, B already scaled by lora_alpha / r."""
+    served on this model. Returns fp32 host tensors, B already scaled (by lora_alpha / r, lora_alpha / sqrt(r) with
+    rsLoRA, per module under alpha_pattern)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 

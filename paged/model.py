@@ -90,7 +90,8 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
     """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
     provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
     reads K/V in place in the pool. Three small per-layer ops come along (add_rms_norm, rope, silu_and_mul): in
-    torch, or, for fp32 and bf16 on the CPU, fused by the C++ library, with the same bits. Where the C++ library
+    torch, or, for fp32 and bf16 on the CPU, fused by the C++ library, with the same bits (the fused RMSNorm only on
+    x86 CPUs with AVX2 or AVX-512, where its order of additions is torch's). Where the C++ library
     cannot be built, "cpu" falls back to the torch reference after one warning.
 
     Every backend takes the same arguments: write_kv(k, v, key_cache, value_cache, slot_mapping);

@@ -23,7 +23,7 @@ class SamplingParams:
     n: int = 1                        # completions per prompt
     temperature: float = 1.0          # 0 (or below 1e-5) means greedy
     top_p: float = 1.0                # keep the smallest set of tokens whose probability reaches top_p
-    top_k: int = -1                   # keep the k most likely tokens; -1 keeps all
+    top_k: int = 0                    # keep the k most likely tokens; 0 (or -1) keeps all
     max_tokens: int = 16              # new tokens at most
     ignore_eos: bool = False          # keep going past the end-of-sequence token
     seed: int | None = None           # per-request random seed
@@ -40,8 +40,6 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = integer("top_k", self.top_k, low=-1)
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (all tokens) or an integer >= 1, got 0")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None:

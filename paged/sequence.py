@@ -30,7 +30,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0             # tokens whose K/V are in the pool
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None    # "stop" (EOS or a stop token) or "length"
+        self.finish_reason: str | None = None    # "stop" (EOS or a stop token), "length" or "abort"
         self.generator = generator
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified

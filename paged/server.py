@@ -185,8 +185,8 @@ class ServerMetrics:
         self.success = Counter("vllm:request_success", "Requests finished", **labels)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               **labels)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean gap between a request's output tokens",
-                              buckets=LATENCY_BUCKETS, **labels)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean gap between a request's output tokens", buckets=LATENCY_BUCKETS, **labels)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Each gap between two output tokens",
                              buckets=LATENCY_BUCKETS, **labels)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",

@@ -8,7 +8,7 @@
 A step with speculation:
   1. propose: before scheduling, every decoding sequence gets up to k draft tokens (`seq.spec_token_ids`);
      a sequence near max_tokens or max_model_len proposes fewer, so a verify never runs past either;
-  2. schedule: a verify costs 1 + k tokens of the budget and 1 + k slots of the pool (vLLM's lookahead slots);
+  2. schedule: a verify costs 1 + k tokens of the budget and 1 + k slots of the pool (vLLM's lookahead tokens);
      the scheduler trims the drafts when the budget is short and drops them when the pool has no room;
   3. verify: the target runs the last real token and the drafts as one prefill-shaped chunk over the paged cache,
      in the same forward pass as the sequences without drafts, writing every draft's K/V into the sequence's blocks;
@@ -57,7 +57,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config) -> "SpeculativeConfig":
-        """Check vLLM's keys by name; the draft model itself is checked by resolve_draft."""
+        """Check the keys by name (vLLM's, and draft_layers of our own); the draft model itself is checked by
+        resolve_draft."""
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a dict or None, got {type(config).__name__}")
         method = config.get("method")

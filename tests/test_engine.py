@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
 from paged import SamplingParams
-from paged.sampling import filter_logits, greedy_tokens
+from paged.sampling import filter_logits, greedy_tokens, sample
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -133,6 +133,18 @@ def test_top_k_and_top_p_filters():
     assert (probs[0] > 0).tolist() == [True, False, False, False, False]  # the top token always survives
 
 
+def test_top_k_zero_and_minus_one_keep_every_token():
+    """vLLM's top_k=0 means no top-k filter, and it takes -1 to mean the same: both draw what no filter draws."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+
+    def draws(top_k):
+        params = SamplingParams(temperature=1.0, top_k=top_k)
+        return [sample(logits, [params], [torch.Generator().manual_seed(seed)], torch.Generator())[0]
+                for seed in range(64)]
+    unfiltered = draws(5)
+    assert SamplingParams().top_k == 0 and draws(0) == draws(-1) == unfiltered and len(set(unfiltered)) > 2
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5), st.sampled_from([2, 7, 64, 256, 320, 1000, 1536]), st.integers(0, 2**31 - 1))
 def test_greedy_tokens_is_argmax(rows, vocab, seed):
@@ -148,7 +160,7 @@ def test_greedy_tokens_is_argmax(rows, vocab, seed):
 
 BAD_PARAMS = [
     (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"), (dict(temperature=-1.0), "temperature"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The guide's KV-cache arithmetic (DESIGN.md, "Numbers the book reproduces"), computed by paged.geometry."""
+"""The guide's KV-cache arithmetic (guide §2, §6-§8), computed by paged.geometry."""
 
 import pytest
 import torch

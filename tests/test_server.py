@@ -264,7 +264,7 @@ def test_metrics_parse_and_count(tiny):
     assert samples["vllm:generation_tokens_total"] == 8 and samples["vllm:prompt_tokens_total"] == 8
     assert samples["vllm:time_to_first_token_seconds_count"] == 2
     assert samples["vllm:e2e_request_latency_seconds_count"] == 2
-    assert samples["vllm:time_per_output_token_seconds_count"] == 2
+    assert samples["vllm:request_time_per_output_token_seconds_count"] == 2
     assert samples["vllm:inter_token_latency_seconds_count"] == 2 + 4
 
 

@@ -20,14 +20,14 @@ _HASH_STYLE = ("display:inline-block;min-width:34px;height:22px;margin:2px;paddi
                "text-align:center;font:12px/22px monospace;color:#111;border:1px solid #888;")
 
 
-def hash_names(chains: dict[str, list[int]]) -> dict[str, list[str]]:
-    """Name each distinct block hash #1, #2, ... in order of first appearance, so that equal hashes read equal.
-    (The numbers themselves differ from one Python process to the next; the names do not.)"""
-    names: dict[int, str] = {}
+def hash_names(chains: dict[str, list[bytes]]) -> dict[str, list[str]]:
+    """Name each distinct block hash #1, #2, ... in order of first appearance, so that equal hashes read equal
+    (a SHA-256 digest is 32 bytes: too long to read in a cell)."""
+    names: dict[bytes, str] = {}
     return {label: [names.setdefault(h, f"#{len(names) + 1}") for h in chain] for label, chain in chains.items()}
 
 
-def hash_chain_html(chains: dict[str, list[int]], block_texts: dict[str, list[str]] | None = None) -> str:
+def hash_chain_html(chains: dict[str, list[bytes]], block_texts: dict[str, list[str]] | None = None) -> str:
     """One row per prompt, one cell per full block, named and coloured by its hash: a shared prefix is a run of
     equal cells from the left. block_texts, the decoded tokens of each block, become the cells' tooltips."""
     block_texts = block_texts or {}

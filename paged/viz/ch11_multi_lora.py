@@ -165,7 +165,7 @@ def slot_player(frames: list[SlotSnapshot], interval_ms: int = 1200) -> widgets.
 def record_lora_step(engine) -> tuple[list[dict], list[str | None]]:
     """Run one engine step and return its batch as the forward pass laid it out (each adapter's tokens side by
     side): per scheduled sequence its request id, adapter name (None: the base model) and the token ids it brought
-    to the step; and the adapter in each slot during the step. The input of token_indices_html."""
+    to the step; and the adapter in each slot during the step. Chapter 11 turns it into token_indices_html's input."""
     manager, laid_out = engine.lora, []
     prepare_step = manager.prepare_step
 
