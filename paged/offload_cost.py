@@ -5,9 +5,10 @@ A preempted sequence of n tokens can be brought back two ways:
   recompute  its blocks are dropped and prefilled again: 2 * num_params * n + 2 * n^2 * num_layers * d FLOPs
              (d = num_attention_heads * head_dim; the n^2 term is causal attention's QK^T and PV)
 Swap grows linearly with n, recompute faster than linearly: "recomputing the prefill, which can be much worse for
-long-context requests" (guide §15). Which one wins depends on the model's ratio of KV bytes to FLOPs per token and on the machine's ratio of
-link bandwidth to compute. `gpu_swap_seconds` / `gpu_recompute_seconds` are that model for an H100 on PCIe 5.0;
-`measure_swap_and_recompute` and `measure_ttft` measure the same things on the engine, in this process.
+long-context requests" (guide §15). Which one wins depends on the model's ratio of KV bytes to FLOPs per token and on
+the machine's ratio of link bandwidth to compute. `gpu_swap_seconds` / `gpu_recompute_seconds` are that model for an
+H100 on PCIe 5.0; `measure_swap_and_recompute` and `measure_ttft` measure the same things on the engine, in this
+process.
 """
 
 import time

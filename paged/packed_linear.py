@@ -1,5 +1,5 @@
-"""Linear layers whose weights are packed once for the CPU's matmul kernel (guide §11, the engine step: a decode step of
-a small batch is mostly the model's matmuls, each reading every weight of the model once for the whole batch).
+"""Linear layers whose weights are packed once for the CPU's matmul kernel (guide §11, the engine step: a decode step
+of a small batch is mostly the model's matmuls, each reading every weight of the model once for the whole batch).
 
 `F.linear` takes a weight as a plain row-major [out, in] tensor. On a CPU it calls a BLAS routine, which, for more
 than one token, copies panels of that weight into the order its innermost loop reads them, on every call. oneDNN
