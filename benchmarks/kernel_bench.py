@@ -5,7 +5,7 @@ FasterTransformer's). It prints each kernel's share of the card's peak HBM bandw
 Decode attention reads every cached key and value once and does a few flops per byte (4 at the default shapes: each
 fp16 K and V number meets 4 query heads, a multiply and an add each), so its ceiling is memory bandwidth: achieved =
 K/V bytes read / latency, reported against the card's peak. The kernels are timed through their unchecked launchers
-(kernels/decode_v1.py, decode_v2.py), as the engine calls them: the checks in kernels/__init__.py cost a
+(paged/kernels/decode_v1.py, decode_v2.py), as the engine calls them: the checks in paged/kernels/__init__.py cost a
 device-to-host copy, which the engine pays only under PAGED_CHECK_KERNELS=1.
 
     python benchmarks/kernel_bench.py                         # the full grid (GPU only)
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.decode_v1 import paged_decode_v1
-from kernels.decode_v2 import paged_decode_v2
+from paged import kernels
+from paged.kernels.decode_v1 import paged_decode_v1
+from paged.kernels.decode_v2 import paged_decode_v2
 
 # Peak HBM bandwidth in TB/s by device name (first match wins); --peak-tbps overrides.
 PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("H800", 3.35),

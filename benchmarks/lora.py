@@ -12,7 +12,7 @@
 
 The adapters are random weights in PEFT's folder format, rank --rank on all seven projections (speed does not
 depend on what the weights say). On a CPU the update runs through the torch reference of shrink/expand; on CUDA
-through the Triton kernel (kernels/lora.py).
+through the Triton kernel (paged/kernels/lora.py).
 """
 
 import argparse

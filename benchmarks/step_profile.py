@@ -40,7 +40,7 @@ ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
         "aten::index_copy_": "K/V write into the pool",
     },
-    "cpu": {  # kernels/cpu_attention.cpp
+    "cpu": {  # paged/kernels/cpu_attention.cpp
         "paged_cpu::decode": "attention, reading K/V in place (C++ kernel)",
         "paged_cpu::prefill": "attention, reading K/V in place (C++ kernel)",
         "paged_cpu::reshape_and_cache": "K/V write into the pool",

@@ -245,13 +245,13 @@ def report(row: dict) -> None:
 
 def engine_commit() -> str:
     """The git commit of the engine this run measured (the checkout of the paged package imported), "+changes" if
-    its paged/ or kernels/ had uncommitted changes; "unknown" outside a git checkout."""
+    its paged/ had uncommitted changes; "unknown" outside a git checkout."""
     import paged
     root = Path(paged.__file__).resolve().parents[1]
     git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
     try:
         commit = git("rev-parse", "--short", "HEAD").strip()
-        changed = git("status", "--porcelain", "--untracked-files=no", "--", "paged", "kernels").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "paged").strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+changes" if changed else "")

@@ -1,6 +1,6 @@
 """Reference paged attention in plain torch (guide §5 "block tables", §7 "the paged kernel").
 
-This is the readable oracle that the Triton kernels and the C++ CPU kernel in `kernels/` are checked against, and the
+This is the readable oracle that the Triton kernels and the C++ CPU kernel in `paged/kernels/` are checked against, and the
 path the engine takes where that kernel cannot be built, or with attention_backend="torch". Keys and values never live
 in one contiguous tensor per sequence: they sit in a pool of fixed-size blocks, and a block table says which physical
 blocks hold a sequence's tokens, in order.

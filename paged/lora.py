@@ -19,7 +19,7 @@ The pieces, top to bottom:
                     projections are nn.Linear (PEFT itself turns it off there), so A and B are read as they are
     LoRASlots       max_loras slots of stacked device weights, filled least-recently-used first
     LoRAManager     the host registry of every adapter seen, the slots, and each step's LoRABatch
-    sgmv_shrink / sgmv_expand   the torch reference of the two halves (Triton twin: kernels/lora.py)
+    sgmv_shrink / sgmv_expand   the torch reference of the two halves (Triton twin: paged/kernels/lora.py)
 
 The model's projections are fused (q, k, v in one matmul, gate and up in another): each target's update lands
 on its slice of the fused output. The scheduler admits a request only while the running sequences use at most
@@ -265,11 +265,11 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, segmen
 
 
 def lora_ops(kernel: str):
-    """(shrink, expand): the torch reference ("torch") or the Triton kernels ("triton", kernels/lora.py)."""
+    """(shrink, expand): the torch reference ("torch") or the Triton kernels ("triton", paged/kernels/lora.py)."""
     if kernel == "torch":
         return sgmv_shrink, sgmv_expand
     if kernel == "triton":
-        from kernels.lora import sgmv_expand as triton_expand, sgmv_shrink as triton_shrink
+        from paged.kernels.lora import sgmv_expand as triton_expand, sgmv_shrink as triton_shrink
         return triton_shrink, triton_expand
     raise ValueError(f"lora kernel must be 'torch' or 'triton', got {kernel!r}")
 

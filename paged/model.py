@@ -43,7 +43,7 @@ def check_model(hf_model, argument: str = "model") -> Architecture:
 
 
 # PAGED_CHECK_KERNELS=1 in the environment (or this flag set True) runs the kernels' input checks
-# (kernels/checks.py) on each step's metadata, once per step; they read the tables back from the device.
+# (paged/kernels/checks.py) on each step's metadata, once per step; they read the tables back from the device.
 CHECK_KERNELS = os.environ.get("PAGED_CHECK_KERNELS", "0") not in ("", "0")
 
 
@@ -66,7 +66,7 @@ class AttentionMetadata:
     def check(self, q, k, v, key_cache, value_cache) -> None:
         """The kernels' input checks over this step, and that the ints above match the tensors: a ValueError
         naming the argument otherwise. Reads the tables back from the device (hence only under CHECK_KERNELS)."""
-        from kernels.checks import check_cache_write, check_decode, check_prefill
+        from paged.kernels.checks import check_cache_write, check_decode, check_prefill
         check_cache_write(k, v, key_cache, value_cache, self.slot_mapping)
         if (self.slot_mapping < 0).any():
             raise ValueError("slot_mapping holds -1, but the engine's steps write every token they compute")
@@ -88,7 +88,7 @@ class AttentionMetadata:
 
 def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
-    provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (kernels/cpu.py), which
+    provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (paged/kernels/cpu.py), which
     reads K/V in place in the pool. Three small per-layer ops come along (add_rms_norm, rope, silu_and_mul): in
     torch, or, for fp32 and bf16 on the CPU, fused by the C++ library, with the same bits (the fused RMSNorm only on
     x86 CPUs with AVX2 or AVX-512, where its order of additions is torch's). Where the C++ library
@@ -100,7 +100,7 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
     max_context_len). None checks its inputs (the engine's tables are valid; see CHECK_KERNELS), and none reads a
     tensor back from the device: the longest lengths come from AttentionMetadata."""
     if name == "cpu":
-        from kernels import cpu
+        from paged.kernels import cpu
         ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
         if ops is not None:
             def cpu_decode(q, kc, vc, tables, lens, scale, max_context_len):  # its loops stop at each length
@@ -122,7 +122,7 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
                                decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
                                add_rms_norm=add_rms_norm, rope=apply_rope, silu_and_mul=silu_and_mul)
     if name == "triton":
-        import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
+        from paged import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
 
         def triton_decode(q, kc, vc, tables, lens, scale, max_context_len):
             return kernels.launch_decode(q, kc, vc, tables, lens, scale, max_context_len)

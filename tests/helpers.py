@@ -230,7 +230,7 @@ def decode_inputs(block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, 
 
 def decode_call(device=KERNEL_DEVICE, **change):
     """The Triton decode wrapper bound to valid inputs, with `change` replacing some of them."""
-    import kernels
+    from paged import kernels
     args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "context_lens", "scale"],
                     decode_inputs(8, 4, 2, 64, torch.float32, device=device)))
     args.update(change)

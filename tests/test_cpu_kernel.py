@@ -1,4 +1,4 @@
-"""The C++ CPU kernel (kernels/cpu.py) against the torch reference in paged.attention (guide §7).
+"""The C++ CPU kernel (paged/kernels/cpu.py) against the torch reference in paged.attention (guide §7).
 
 Random shapes: block sizes 8-128, GQA 1:1 to 8:1, head_dim 64 and 128, ragged contexts with partly filled last
 blocks, and prefill chunks of every kind (a whole prompt, a chunk after cached tokens, a prefix-cache hit, one
@@ -15,7 +15,7 @@ import torch
 
 import helpers
 from helpers import make_tiny_llm, random_prompts, tiny_llama
-from kernels import cpu
+from paged.kernels import cpu
 from paged import LLM, SamplingParams
 from paged import attention as ref
 from paged.model import add_rms_norm, apply_rope, attention_backend, silu_and_mul

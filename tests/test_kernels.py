@@ -1,7 +1,7 @@
 """The Triton kernels against the torch reference in paged.attention (guide §5-§7).
 
 Without CUDA they run in Triton's interpreter, which must be switched on before any kernel is decorated, so
-TRITON_INTERPRET is set here before `kernels` is imported (kernels/__init__.py sets it too, for modules that
+TRITON_INTERPRET is set here before `paged.kernels` is imported (paged/kernels/__init__.py sets it too, for modules that
 import it first). Inputs are small: the interpreter runs every program in numpy, one after another.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402
+from paged import kernels  # noqa: E402
 from helpers import (KERNEL_DEVICE, assert_prefill_rejects_bad_input, bad_decode_inputs, decode_call,  # noqa: E402
                      decode_inputs, paged_pool, random_query)
 from paged import attention as ref  # noqa: E402

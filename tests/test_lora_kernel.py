@@ -1,6 +1,6 @@
-"""The Triton LoRA shrink/expand (kernels/lora.py) against the torch reference in paged.lora (guide §16).
+"""The Triton LoRA shrink/expand (paged/kernels/lora.py) against the torch reference in paged.lora (guide §16).
 
-Without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET is set before `kernels` is imported);
+Without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET is set before `paged.kernels` is imported);
 fp32 there, small shapes. On CUDA the same checks run compiled, in fp32, fp16 and bf16.
 """
 
@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import kernels  # noqa: E402,F401  (settles the interpreter)
-from kernels import lora as triton_lora  # noqa: E402
+from paged import kernels  # noqa: E402,F401  (settles the interpreter)
+from paged.kernels import lora as triton_lora  # noqa: E402
 from paged import lora as ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import make_tiny_llm, random_prompts, tiny_llama
 
-import kernels.checks
+import paged.kernels.checks
 from paged import SamplingParams, model as model_module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -82,12 +82,12 @@ def test_the_debug_switch_checks_each_step_once(four_layers, monkeypatch):
     """Under CHECK_KERNELS the kernels' checks run on the first layer of every step, not on every layer."""
     counts = {"check_decode": 0, "check_prefill": 0}
     for name in counts:
-        original = getattr(kernels.checks, name)
+        original = getattr(paged.kernels.checks, name)
 
         def counted(*args, _name=name, _original=original):
             counts[_name] += 1
             return _original(*args)
-        monkeypatch.setattr(kernels.checks, name, counted)
+        monkeypatch.setattr(paged.kernels.checks, name, counted)
     steps = []
     llm = make_tiny_llm(four_layers, attention_backend="cpu")
     forward = llm.engine.model.forward

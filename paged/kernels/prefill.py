@@ -113,7 +113,7 @@ def prefill_kernel(
 def paged_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len):
     """Launch a (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads) grid.
 
-    Inputs are assumed valid (see kernels.paged_prefill_attention)."""
+    Inputs are assumed valid (see paged.kernels.paged_prefill_attention)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     num_seqs = context_lens.shape[0]

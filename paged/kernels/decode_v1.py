@@ -88,7 +88,7 @@ def decode_v1_kernel(
 
 
 def paged_decode_v1(query, key_cache, value_cache, block_tables, context_lens, scale):
-    """Launch a (num_seqs, num_heads) grid. Inputs are assumed valid (see kernels.paged_decode_attention)."""
+    """Launch a (num_seqs, num_heads) grid. Inputs are assumed valid (see paged.kernels.paged_decode_attention)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)                                                    # [num_seqs, num_heads, head_dim]

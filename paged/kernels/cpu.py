@@ -1,12 +1,12 @@
-"""The CPU paged-attention kernel (guide §7): kernels/cpu_attention.cpp, built on first use and cached.
+"""The CPU paged-attention kernel (guide §7): paged/kernels/cpu_attention.cpp, built on first use and cached.
 
     reshape_and_cache        write a step's K/V into the pools through the slot mapping
     paged_decode_attention   one new token per sequence attends to its context, read in place in the pool
     paged_prefill_attention  a chunk of new tokens per sequence attends causally to its context and itself
 
-The Triton kernels' arguments (less their version and split choices), semantics and input checks (kernels/checks.py),
+The Triton kernels' arguments (less their version and split choices), semantics and input checks (paged/kernels/checks.py),
 so the same bad input raises the same ValueError. The same library holds three small per-layer ops of the Llama block,
-fused (kernels/cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
+fused (paged/kernels/cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
 uses beside the kernel.
 
 The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.checks import check_cache_write, check_decode, check_prefill
+from paged.kernels.checks import check_cache_write, check_decode, check_prefill
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_layer_ops.cpp")]
 ISA_FLAGS = {  # torch's own vector level on this CPU -> the compiler flags that allow the same instructions
@@ -103,7 +103,7 @@ def _require():
 def _check_on_cpu(key_cache):
     if key_cache.device.type != "cpu":
         raise ValueError(f"key_cache is on {key_cache.device}: this kernel runs on the CPU "
-                         f"(the Triton kernels in `kernels` serve a GPU)")
+                         f"(the Triton kernels in `paged.kernels` serve a GPU)")
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):

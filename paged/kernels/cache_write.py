@@ -50,7 +50,7 @@ def cache_write_kernel(
 
 
 def write_cache(key, value, key_cache, value_cache, slot_mapping):
-    """Launch one program per token. Inputs are assumed valid (see kernels.reshape_and_cache)."""
+    """Launch one program per token. Inputs are assumed valid (see paged.kernels.reshape_and_cache)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

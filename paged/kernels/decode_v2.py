@@ -146,7 +146,7 @@ def decode_v2_merge_kernel(
 def paged_decode_v2(query, key_cache, value_cache, block_tables, context_lens, scale, num_splits):
     """Launch the split kernel on a (num_seqs, num_kv_heads, num_splits) grid, then merge if num_splits > 1.
 
-    Inputs are assumed valid (see kernels.paged_decode_attention)."""
+    Inputs are assumed valid (see paged.kernels.paged_decode_attention)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
