@@ -1,9 +1,9 @@
 """Reference paged attention in plain torch (guide §5 "block tables", §7 "the paged kernel").
 
-This is the readable oracle that the Triton kernels and the C++ CPU kernel in `paged/kernels/` are checked against, and the
-path the engine takes where that kernel cannot be built, or with attention_backend="torch". Keys and values never live
-in one contiguous tensor per sequence: they sit in a pool of fixed-size blocks, and a block table says which physical
-blocks hold a sequence's tokens, in order.
+This is the readable oracle that the Triton kernels and the C++ CPU kernel in `paged/kernels/` are checked against,
+and the path the engine takes where that kernel cannot be built, or with attention_backend="torch". Keys and values
+never live in one contiguous tensor per sequence: they sit in a pool of fixed-size blocks, and a block table says
+which physical blocks hold a sequence's tokens, in order.
 
 Layout (NHD, as vLLM's flash backend):
     key_cache, value_cache   [num_blocks, block_size, num_kv_heads, head_dim]

@@ -1,23 +1,23 @@
 """Triton kernels for paged attention (guide §5-§7), each checked against the torch reference in paged.attention.
 
-    reshape_and_cache        paged/kernels/cache_write.py   scatter a step's K/V into the pools through the slot mapping
-    paged_decode_attention   paged/kernels/decode_v1.py     one program per (sequence, query head)
-                             paged/kernels/decode_v2.py     GQA-grouped, split-KV (flash-decoding) + log-sum-exp merge
-    paged_prefill_attention  paged/kernels/prefill.py       a chunk attends causally to its cached prefix and itself
+    reshape_and_cache        cache_write.py   scatter a step's K/V into the pools through the slot mapping
+    paged_decode_attention   decode_v1.py     one program per (sequence, query head)
+                             decode_v2.py     GQA-grouped, split-KV (flash-decoding) + log-sum-exp merge
+    paged_prefill_attention  prefill.py       a chunk attends causally to its cached prefix and itself
 
 The three functions above check their inputs (shapes, dtypes, and, with one device-to-host copy, that every
-context fits its block table and every block id it uses is in the pool; paged/kernels/checks.py) and raise ValueError
+context fits its block table and every block id it uses is in the pool; checks.py) and raise ValueError
 naming the argument and the limit. `launch_decode` and `launch_prefill` skip the checks and take the longest
 context or chunk as a Python int: the engine, which runs every layer over the same block tables and knows those
 lengths from its own lists, calls them and never waits for the GPU between layers (paged/model.py).
 
-paged/kernels/lora.py holds LoRA's shrink and expand over segments of tokens (guide §16), checked against paged.lora.
+lora.py holds LoRA's shrink and expand over segments of tokens (guide §16), checked against paged.lora.
 
-paged/kernels/cpu.py holds the same three operations for a CPU, in C++ (paged/kernels/cpu_attention.cpp), with the same checks.
+cpu.py holds the same three operations for a CPU, in C++ (cpu_attention.cpp), with the same checks.
 
 Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here unless the environment
 already says otherwise, before any @triton.jit decorator runs, and triton's own library is made usable by it
-even if triton was imported earlier (paged/kernels/interpreter.py). The interpreter is slow (numpy per program),
+even if triton was imported earlier (interpreter.py). The interpreter is slow (numpy per program),
 has no bf16 tl.dot and no autotuning; use float32 or float16 there.
 """
 

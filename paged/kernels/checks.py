@@ -1,6 +1,6 @@
 """What a valid paged-attention call is (guide §5-§7): the input checks every kernel wrapper shares.
 
-The Triton wrappers (paged/kernels/__init__.py) and the CPU kernel's (paged/kernels/cpu.py) call these before launching, so
+The Triton wrappers (__init__.py) and the CPU kernel's (cpu.py) call these before launching, so
 the same bad input gets the same ValueError, naming the argument and the limit, whichever kernel it was meant for.
 The engine calls the kernels without them; with PAGED_CHECK_KERNELS=1 it runs them once per step
 (paged.model.AttentionMetadata.check).

@@ -1,12 +1,12 @@
-"""The CPU paged-attention kernel (guide §7): paged/kernels/cpu_attention.cpp, built on first use and cached.
+"""The CPU paged-attention kernel (guide §7): cpu_attention.cpp, built on first use and cached.
 
     reshape_and_cache        write a step's K/V into the pools through the slot mapping
     paged_decode_attention   one new token per sequence attends to its context, read in place in the pool
     paged_prefill_attention  a chunk of new tokens per sequence attends causally to its context and itself
 
-The Triton kernels' arguments (less their version and split choices), semantics and input checks (paged/kernels/checks.py),
+The Triton kernels' arguments (less their version and split choices), semantics and input checks (checks.py),
 so the same bad input raises the same ValueError. The same library holds three small per-layer ops of the Llama block,
-fused (paged/kernels/cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
+fused (cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
 uses beside the kernel.
 
 The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are

@@ -1,6 +1,6 @@
 // Paged attention on a CPU, in C++ (guide §5 "block tables", §7 "the paged kernel").
 //
-// The loop of paged/kernels/decode_v1.py and paged/kernels/prefill.py, written for a CPU. One task is a tile: a sequence,
+// The loop of decode_v1.py and prefill.py, written for a CPU. One task is a tile: a sequence,
 // one KV head (or, at decode with many sequences, all of them), and a run of that sequence's new tokens. Its rows
 // are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
 // is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
@@ -16,7 +16,7 @@
 //   query_start_loc  int32 [num_seqs + 1]   prefill: sequence b's new tokens are rows qsl[b] .. qsl[b + 1] - 1
 //   slot_mapping     int32 or int64 [num_tokens]   block_id * block_size + offset; -1 skips the token
 //
-// paged/kernels/cpu.py builds this file on first use and checks inputs as the Triton wrappers do; the checks here
+// cpu.py builds this file on first use and checks inputs as the Triton wrappers do; the checks here
 // keep every read and write inside its tensor, and raise ValueError.
 
 #include <ATen/Dispatch.h>
