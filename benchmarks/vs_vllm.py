@@ -20,9 +20,9 @@ alone over every step of this engine's turn, timed in a process of its own on th
 the turns; an engine that computes the same tokens in steps of about the same shapes cannot beat it), and how many
 completions are token-identical; where one is not, the first position that differs and the logit margin there under
 transformers in the same dtype (a near-tie is two correct engines rounding differently; a wide margin is a bug).
-Everything goes to benchmarks/results/vs_vllm.json, one section per CPU with its versions: a configuration measured by
-an earlier run on the same CPU and not by this one is kept there, with the command, date and commit that made it, and
-the sections of other CPUs are kept as they were.
+Everything goes to benchmarks/results/vs_vllm.json, one section per CPU with the versions of its latest run: a
+configuration measured by an earlier run on the same CPU and not by this one is kept there, with the command, date,
+commit and each engine's versions that made it, and the sections of other CPUs are kept as they were.
 Run it on an otherwise idle machine: only the ratios of runs made side by side mean anything.
 """
 
@@ -54,6 +54,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def worker_paged(spec: dict) -> dict:
     import torch
+    import transformers
     torch.set_num_threads(spec["threads"])
     from paged import LLM, SamplingParams
     llm = LLM(model="smollm2", device="cpu", dtype=getattr(torch, spec["dtype"]), num_blocks=4096,
@@ -70,7 +71,7 @@ def worker_paged(spec: dict) -> dict:
     return {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs], "steps": steps,
             "ttft": [o.metrics.ttft for o in outs],
             "tpot": [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1],
-            "versions": {"torch": torch.__version__}}
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
 def worker_ceiling(spec: dict) -> dict:
