@@ -8,7 +8,11 @@ no cached build exists (a minute on two cores).
 
 import functools
 import random
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,6 +201,39 @@ def test_the_ops_themselves_keep_to_the_pool():
     stray[1, 0] = key_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = 18 is outside the pool"):
         cpu.load().decode(query, key_cache, value_cache, stray, lens, scale)
+
+
+WITHOUT_OPENMP = textwrap.dedent("""
+    import sys, torch
+    from paged.kernels import cpu
+    cpu.OPENMP = []                                      # as where the compiler has no -fopenmp (Apple's clang)
+    assert "-fopenmp" not in cpu.build_flags() and cpu.load() is not None
+    torch.set_num_threads(2)
+    inputs = torch.load(sys.argv[1])
+    torch.save([cpu.paged_decode_attention(*inputs["decode"]), cpu.paged_prefill_attention(*inputs["prefill"])],
+               sys.argv[2])
+""")
+
+
+def test_a_build_without_openmp_gives_the_same_bits(tmp_path):
+    """Where the compiler has no OpenMP, the library is built without it (its own name, so it never replaces the
+    OpenMP build); its loops then run on one thread and every result keeps its bits. In a process of its own,
+    since one process cannot load two libraries of the same ops."""
+    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32,
+                                                      seed=7)
+    query = random_query(8, 9, 64, torch.float32, seed=7)
+    chunk = random_query(12, 9, 64, torch.float32, seed=8)
+    starts, chunk_lens = torch.tensor([0, 4, 9, 12], dtype=torch.int32), torch.tensor([40, 9, 16], dtype=torch.int32)
+    inputs = {"decode": (query, key_cache, value_cache, tables, lens, 0.125),
+              "prefill": (chunk, key_cache, value_cache, tables[[1, 5, 4]], starts, chunk_lens, 0.125)}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", WITHOUT_OPENMP, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+                          cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    decode, prefill = torch.load(tmp_path / "out.pt")
+    assert torch.equal(decode, cpu.paged_decode_attention(*inputs["decode"]))
+    assert torch.equal(prefill, cpu.paged_prefill_attention(*inputs["prefill"]))
 
 
 # --- the engine's switch -------------------------------------------------------------------------------------

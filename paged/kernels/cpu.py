@@ -10,8 +10,9 @@ fused (cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-an
 uses beside the kernel.
 
 The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are
-needed, with OpenMP so that at::parallel_for runs on torch's own threads, and for the vector instructions torch
-itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
+needed, with OpenMP so that at::parallel_for runs on torch's own threads (Apple's clang has no -fopenmp: there the
+library is built without it, and its loops may run on one thread, with the same results), and for the vector
+instructions torch itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
 flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler
 names them, and the engine calls them per layer without the Python checks (the C++ still keeps every access
 inside its tensor).
@@ -36,6 +37,7 @@ ISA_FLAGS = {  # torch's own vector level on this CPU -> the compiler flags that
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],
 }
+OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple's clang rejects -fopenmp
 
 _ops = None          # torch.ops.paged_cpu once loaded
 _failure = None      # why it could not be built, once known
@@ -43,7 +45,7 @@ _failure = None      # why it could not be built, once known
 
 def build_flags() -> list[str]:
     # -ffp-contract=off: a * b + c keeps its two roundings, as in torch's own elementwise ops
-    return ["-O3", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    return ["-O3", *OPENMP, "-ffp-contract=off", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
 def library_name() -> str:
@@ -74,7 +76,7 @@ def load():
             print(f"Building the CPU paged-attention kernel ({', '.join(s.name for s in SOURCES)}; once, "
                   f"about a minute)...", file=sys.stderr, flush=True)
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=build_flags(), extra_ldflags=OPENMP,
                                build_directory=str(build_dir), is_python_module=False)
             print(f"Built and cached in {build_dir}", file=sys.stderr, flush=True)
     except Exception as error:  # no compiler, no ninja, a failed build: say so once and let the caller fall back
