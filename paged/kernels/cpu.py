@@ -9,13 +9,13 @@ so the same bad input raises the same ValueError. The same library holds three s
 fused (cpu_layer_ops.cpp: RMSNorm after the residual add, RoPE in place, SiLU-and-multiply), which the engine
 uses beside the kernel.
 
-The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are
-needed, with OpenMP so that at::parallel_for runs on torch's own threads (Apple's clang has no -fopenmp: there the
-library is built without it, and its loops may run on one thread, with the same results), and for the vector
-instructions torch itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
-flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler
-names them, and the engine calls them per layer without the Python checks (the C++ still keeps every access
-inside its tensor).
+The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are needed,
+with OpenMP so that at::parallel_for runs on torch's own threads (Apple's clang has no -fopenmp: there the library is
+built without it, and its loops may run on one thread, with the same results), and for the vector instructions torch
+itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
+flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler names
+them, and the engine calls them per layer without the Python checks (the C++ still keeps every access inside its
+tensor).
 
 Where there is no C++ compiler, or the build fails, `load()` returns None after one warning that says why, and
 the engine uses the torch reference (paged.attention) instead.
