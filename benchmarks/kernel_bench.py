@@ -5,7 +5,7 @@ FasterTransformer's). It prints each kernel's share of the card's peak HBM bandw
 Decode attention reads every cached key and value once and does a few flops per byte (4 at the default shapes: each
 fp16 K and V number meets 4 query heads, a multiply and an add each), so its ceiling is memory bandwidth: achieved =
 K/V bytes read / latency, reported against the card's peak. The kernels are timed through their unchecked launchers
-(paged/kernels/decode_v1.py, decode_v2.py), as the engine calls them: the checks in paged/kernels/__init__.py cost a
+(paged/kernels/decode_v1.py, decode_v2.py), as the engine calls them: the checks in paged/kernels/triton_ops.py cost a
 device-to-host copy, which the engine pays only under PAGED_CHECK_KERNELS=1.
 
     python benchmarks/kernel_bench.py                         # the full grid (GPU only)
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paged import kernels
 from paged.kernels.decode_v1 import paged_decode_v1
 from paged.kernels.decode_v2 import paged_decode_v2
+from paged.kernels.triton_ops import choose_num_splits
 
 # Peak HBM bandwidth in TB/s by device name (first match wins); --peak-tbps overrides.
 PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("H800", 3.35),
@@ -106,7 +106,7 @@ def bench_one(batch, context, block_size, args, device, with_sdpa):
     its output is also the reference that max_err is measured against."""
     q, kc, vc, bt, lens, k, v = make_inputs(batch, context, block_size, args, device)
     scale = args.head_dim ** -0.5
-    splits = kernels.choose_num_splits(batch, args.num_kv_heads, context, device)
+    splits = choose_num_splits(batch, args.num_kv_heads, context, device)
     methods = {
         "sdpa": lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0],
         "v1": lambda: paged_decode_v1(q, kc, vc, bt, lens, scale),

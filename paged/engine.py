@@ -26,7 +26,7 @@ from .validation import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
-from .model import PagedLlama
+from .model import PagedLlama, default_attention_backend
 from .models import load_model
 from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
@@ -434,7 +434,7 @@ class LLM:
         config = config or EngineConfig(**{name: arguments[name] for name in SETTINGS})  # checks them all
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(config.seed)
-        backend = attention_backend or ("triton" if device.type == "cuda" else "cpu")
+        backend = attention_backend or default_attention_backend(device)
         target, tokenizer = load_model(model, tokenizer, device, dtype, backend)
         draft = None
         if config.speculative is not None and config.speculative.method == "draft_model":

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import triton_missing
 from .validation import available_memory, integer
 
 MAX_LORAS = 64          # adapter slots on the device at most
@@ -414,7 +415,8 @@ class LoRAManager:
         self.num_layers = len(model.layers)
         self.device = model.device
         self.slots = LoRASlots(model, self.max_loras, self.max_lora_rank)
-        self.shrink, self.expand = lora_ops(kernel or ("triton" if model.device.type == "cuda" else "torch"))
+        on_gpu_with_triton = model.device.type == "cuda" and not triton_missing()
+        self.shrink, self.expand = lora_ops(kernel or ("triton" if on_gpu_with_triton else "torch"))
         self.registry: dict[int, LoRAAdapter] = {}
         self.num_steps = 0
 

@@ -25,10 +25,18 @@ import torch
 import torch.nn.functional as F
 
 from . import attention as torch_attention
+from . import kernels
 from .architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
 from .packed_linear import linear, pack
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """The Triton kernels on a GPU, the C++ kernel on a CPU; the torch reference on a GPU without Triton."""
+    if device.type == "cpu":
+        return "cpu"
+    return "torch" if kernels.triton_missing() else "triton"
 
 
 def check_model(hf_model, argument: str = "model") -> Architecture:
@@ -122,7 +130,8 @@ def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNa
                                decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
                                add_rms_norm=add_rms_norm, rope=apply_rope, silu_and_mul=silu_and_mul)
     if name == "triton":
-        from paged import kernels  # sets TRITON_INTERPRET=1 itself when there is no GPU
+        if kernels.triton_missing():
+            raise ValueError(f"attention_backend 'triton': {kernels.triton_missing()}; use 'cpu' or 'torch'")
 
         def triton_decode(q, kc, vc, tables, lens, scale, max_context_len):
             return kernels.launch_decode(q, kc, vc, tables, lens, scale, max_context_len)

@@ -25,7 +25,6 @@ The scheduler decides which blocks move (it touches no tensor); the engine makes
 Both bookkeepers take part in the engine step's transaction (`begin`, `commit`, `rollback`), as the pool's does.
 """
 
-import fcntl
 import math
 import os
 import shutil
@@ -36,6 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+if os.name == "nt":
+    import msvcrt
+else:
+    import fcntl
 
 from .block_manager import Block, BlockManager, cdiv
 from .validation import available_memory, real
@@ -229,9 +233,10 @@ TIER_FILE_PREFIX, TIER_FILE_SUFFIX = "paged-", ".kv"
 
 
 class TierFile:
-    """A tier's file, owned by one tier for its whole life: an exclusive lock (fcntl.flock) on it says so to every
-    other process, and the file is deleted when the tier is closed, collected, or the interpreter exits. A process
-    killed before that leaves its file unlocked: delete_stale_files removes such files later."""
+    """A tier's file, owned by one tier for its whole life: an exclusive lock on it (flock; on Windows, a lock on its
+    first byte) says so to every other process, and the file is deleted when the tier is closed, collected, or the
+    interpreter exits. A process killed before that leaves its file unlocked: delete_stale_files removes such files
+    later."""
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd = path, fd
@@ -281,19 +286,25 @@ class TierFile:
 
     @staticmethod
     def _release(path: Path, fd: int) -> None:
+        if os.name == "nt":
+            os.close(fd)    # Windows deletes no file that is open
         try:
             os.unlink(path)
         except OSError:  # gone already (its folder deleted, say)
             pass
-        os.close(fd)    # the lock goes with the descriptor
+        if os.name != "nt":
+            os.close(fd)    # the lock goes with the descriptor, after the file: no other tier claims it between
 
 
 def _lock(fd: int) -> bool:
     """Take fd's file's exclusive lock, without waiting; False if another open file holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.name == "nt":
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:
+    except (BlockingIOError, PermissionError):      # Windows says a held lock with EACCES
         return False
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from paged import LLM
+from paged.kernels import cpu, triton_missing
 
 
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
@@ -283,3 +284,17 @@ def assert_prefill_rejects_bad_input(prefill, device=KERNEL_DEVICE) -> None:
         call(context_lens=torch.tensor([2, 9], **int32))
     with pytest.raises(ValueError, match=r"context_lens\[1\] = 33 is longer than its block table"):
         call(context_lens=torch.tensor([5, 33], **int32))
+
+
+# Triton has wheels for Linux only, and the C++ kernel needs a compiler: a laptop may have neither. Their tests skip
+# there, saying why; a compiler that is found but fails to build the kernel is a failure, not a skip.
+needs_triton = pytest.mark.skipif(triton_missing() is not None, reason=str(triton_missing()))
+
+
+def require_cpu_kernel() -> None:
+    """Skip the calling test (or module, from a fixture) where no C++ compiler is found and no build is cached;
+    fail where a compiler is found but the kernel does not build."""
+    if cpu.load() is None:
+        if cpu.compiler() is None:
+            pytest.skip(cpu.missing())
+        pytest.fail(f"the CPU kernel did not build on this machine: {cpu.missing()}")

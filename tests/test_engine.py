@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts, run_engine
+from helpers import assert_pool_empty, make_tiny_llm, needs_triton, random_prompts, run_engine
 from paged import SamplingParams
 from paged.sampling import filter_logits, greedy_tokens, sample
 
@@ -198,6 +198,7 @@ def test_bad_prompts_raise_and_leave_the_engine_usable(tiny_model, reference):
     assert [o.outputs[0].token_ids for o in outs] == expected[:3]
 
 
+@needs_triton
 def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(tiny_model, reference):
     prompts, expected = reference
     llm = make_tiny_llm(tiny_model, num_blocks=64, attention_backend="triton", enable_chunked_prefill=True,

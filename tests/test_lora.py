@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import assert_pool_empty, make_adapter, make_tiny_llm, tiny_llama
+from helpers import assert_pool_empty, make_adapter, make_tiny_llm, needs_triton, tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import get_peft_model
@@ -230,6 +230,7 @@ def test_the_scheduler_admits_at_most_max_loras_adapters(adapters):
     assert llm.lora_stats()["num_evictions"] >= 1
 
 
+@needs_triton
 def test_the_triton_kernel_serves_the_same_tokens(adapters):
     """The engine with the Triton shrink/expand (Triton's interpreter on a CPU) gives the reference's tokens."""
     request, peft_model = adapters[1]

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from helpers import make_tiny_llm, random_prompts, tiny_llama
+from helpers import make_tiny_llm, needs_triton, random_prompts, tiny_llama
 
 import paged.kernels.checks
 from paged import SamplingParams, model as model_module
@@ -52,7 +52,7 @@ def four_layers():
     return tiny_llama(num_hidden_layers=4)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
 def test_the_forward_pass_reads_nothing_back_from_the_device(four_layers, backend):
     """Prefills, mixed steps and decodes over four layers: not one tensor becomes a Python number."""
     llm = make_tiny_llm(four_layers, attention_backend=backend, enable_chunked_prefill=True,

@@ -15,8 +15,7 @@ Shapes (NHD layout):
     slot_mapping            int32 or int64 [num_tokens]
 """
 
-import triton
-import triton.language as tl
+from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 
 @triton.jit

@@ -12,8 +12,8 @@ uses beside the kernel.
 The C++ files are compiled by torch's extension machinery (torch.utils.cpp_extension) the first time they are needed,
 with OpenMP so that at::parallel_for runs on torch's own threads (Apple's clang has no -fopenmp: there the library is
 built without it, and its loops may run on one thread, with the same results), and for the vector instructions torch
-itself uses on this CPU; the library is kept under torch's extension cache, named by a hash of the sources and the
-flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler names
+itself uses on this CPU; the library is kept under torch's extension cache ($TORCH_EXTENSIONS_DIR where it is set),
+named by a hash of the sources and the flags, and later processes load it in milliseconds. Its ops are torch ops (torch.ops.paged_cpu.*): the profiler names
 them, and the engine calls them per layer without the Python checks (the C++ still keeps every access inside its
 tensor).
 
@@ -55,6 +55,11 @@ def library_name() -> str:
     return f"paged_cpu_attention_{digest.hexdigest()[:12]}"
 
 
+def compiler() -> str | None:
+    """The path of the C++ compiler torch's extension machinery would use ($CXX, else c++), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def load():
     """torch.ops.paged_cpu, compiled on the first call of all (with a message) and loaded from the cache after;
     None, with one warning, where it cannot be built."""
@@ -64,15 +69,15 @@ def load():
     from torch.utils import cpp_extension
 
     name = library_name()
-    build_dir = Path(cpp_extension.get_default_build_root()) / name
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
     library = build_dir / f"{name}.so"
     try:
         if library.is_file():
             torch.ops.load_library(str(library))
         else:
-            compiler = os.environ.get("CXX", "c++")
-            if shutil.which(compiler) is None:
-                raise RuntimeError(f"no C++ compiler found (looked for {compiler!r}; set CXX to name one)")
+            if compiler() is None:
+                raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r}; "
+                                   f"set CXX to name one)")
             print(f"Building the CPU paged-attention kernel ({', '.join(s.name for s in SOURCES)}; once, "
                   f"about a minute)...", file=sys.stderr, flush=True)
             build_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +91,15 @@ def load():
         return None
     _ops = torch.ops.paged_cpu
     return _ops
+
+
+def missing() -> str | None:
+    """None where the library is built (or loads from the cache); otherwise one line that says why it is not."""
+    with warnings.catch_warnings():      # the line returned says it instead
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if load() is not None:
+            return None
+    return f"the C++ kernel could not be built here ({_failure}); the engine attends with the torch reference instead"
 
 
 def _reason(error: Exception) -> str:

@@ -1,19 +1,28 @@
-"""Running the kernels without a GPU: Triton's interpreter (guide §7; chapter 04 runs its kernels this way).
+"""Importing Triton, and running its kernels without a GPU in its interpreter (guide §7; chapter 04 does).
 
-With TRITON_INTERPRET=1, @triton.jit returns an InterpretedFunction instead of a compiled kernel, and a launch
-runs every program of the grid one after another in numpy. The switch is read when a function is decorated,
-so it must be set before the kernel modules are imported.
+Every Triton kernel module imports `triton` and `tl` from here, so the three things below happen before any of
+them decorates a kernel.
 
-Setting it before our own modules is not enough when something imported triton earlier: loading a
-transformers model does (through torch._dynamo). Triton's library functions written in Triton itself
-(tl.sum, tl.max, tl.cdiv, tl.zeros, ...) were then decorated in compiled mode, and an interpreted kernel
-that calls one fails with "Cannot call @triton.jit'd outside of the scope of a kernel". use_interpreter()
-re-wraps those library functions for the interpreter, once, which is what importing triton after setting the
-variable would have produced. It only runs when there is no CUDA, where nothing can be compiled anyway.
+1. Triton is optional: pip has it for Linux only. Where it is not installed, importing a kernel module raises
+   ModuleNotFoundError with one line that says so (`paged.kernels.triton_missing()` gives the same line without
+   raising); the engine, the C++ kernel and the torch reference never import it.
+2. With TRITON_INTERPRET=1, @triton.jit returns an InterpretedFunction instead of a compiled kernel, and a launch
+   runs every program of the grid one after another in numpy. The switch is read when a function is decorated,
+   so it is set here, where there is no CUDA, unless the environment already says otherwise.
+3. Setting it is not enough when something imported triton earlier: loading a transformers model does (through
+   torch._dynamo). Triton's library functions written in Triton itself (tl.sum, tl.max, tl.cdiv, tl.zeros, ...)
+   were then decorated in compiled mode, and an interpreted kernel that calls one fails with "Cannot call
+   @triton.jit'd outside of the scope of a kernel". use_interpreter() re-wraps those library functions for the
+   interpreter, once, which is what importing triton after setting the variable would have produced. It only runs
+   when there is no CUDA, where nothing can be compiled anyway.
 """
 
 import os
 import sys
+
+import torch
+
+from paged.kernels import triton_missing
 
 
 def use_interpreter():
@@ -34,3 +43,14 @@ def use_interpreter():
                 if id(value) not in wrapped:
                     wrapped[id(value)] = InterpretedFunction(value.fn)
                 setattr(module, attr, wrapped[id(value)])
+
+
+if triton_missing():
+    raise ModuleNotFoundError(triton_missing(), name="triton")
+if not torch.cuda.is_available():
+    use_interpreter()
+
+import triton  # noqa: E402  (after the interpreter is settled)
+import triton.language as tl  # noqa: E402
+
+__all__ = ["tl", "triton", "use_interpreter"]

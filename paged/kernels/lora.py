@@ -21,8 +21,7 @@ Shapes:
 """
 
 import torch
-import triton
-import triton.language as tl
+from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 _BLOCK_M = 16          # tokens per program (older Triton releases need at least 16 for tl.dot)
 _BLOCK_N = 64          # output columns per program

@@ -33,8 +33,7 @@ Shapes (NHD layout):
 """
 
 import torch
-import triton
-import triton.language as tl
+from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 LOG2E = 1.4426950408889634
 MIN_TILE = 32          # keys per K/V tile when blocks are smaller than this
