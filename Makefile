@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null && \
                  echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup demo test test-portable test-browser test-laptop check-wheels book reset-chapters lab bench \
+.PHONY: setup demo test test-portable test-browser test-laptop test-triton check-wheels book reset-chapters lab bench \
         bench-vllm bench-serve clean
 
 setup: $(STAMP)
@@ -57,6 +57,20 @@ test-laptop:
 	$(LAPTOP_VENV)/bin/python -m paged demo </dev/null && \
 	$(LAPTOP_VENV)/bin/jupyter nbconvert --to notebook --execute --output-dir "$$out" chapters/[0-9][0-9]_*.ipynb && \
 	$(LAPTOP_VENV)/bin/python -m pytest tests
+
+# The Triton kernels' tests in the interpreters of other Triton releases than the one installed: the oldest that
+# pyproject.toml allows, and 3.6 (a learner's torch may pin it). Each is put beside the venv's packages, in
+# build/triton-VERSION, for the tests alone.
+TRITON_VERSIONS := 3.2.0 3.6.0
+
+test-triton: $(STAMP)
+	@for version in $(TRITON_VERSIONS); do \
+	  test -d build/triton-$$version/triton || \
+	    $(BIN)/pip install --no-deps --target build/triton-$$version triton==$$version || exit 1; \
+	  echo "test-triton: Triton $$version"; \
+	  PYTHONPATH=build/triton-$$version $(BIN)/python -m pytest -q tests/test_kernels.py tests/test_lora_kernel.py \
+	    || exit 1; \
+	done
 
 # Every requirement has a wheel for macOS on Apple silicon, Windows and Linux (x86-64 and aarch64). pip evaluates
 # environment markers on the machine it runs on, so the resolution for another platform is uv's.

@@ -15,6 +15,9 @@ them decorates a kernel.
    @triton.jit'd outside of the scope of a kernel". use_interpreter() re-wraps those library functions for the
    interpreter, once, which is what importing triton after setting the variable would have produced. It only runs
    when there is no CUDA, where nothing can be compiled anyway.
+4. Triton before 3.7 keeps a kernel's scalars as one-element arrays and makes a Python int of one (the bound of a
+   `range` over a loaded length) with int(array), which NumPy 2.4 refuses for an array with a dimension.
+   use_interpreter() gives such a Triton's interpreter the conversion 3.7 made its own: int(array.squeeze()).
 """
 
 import os
@@ -43,6 +46,29 @@ def use_interpreter():
                 if id(value) not in wrapped:
                     wrapped[id(value)] = InterpretedFunction(value.fn)
                 setattr(module, attr, wrapped[id(value)])
+    _squeeze_scalars_before_3_7()
+
+
+def _squeeze_scalars_before_3_7():
+    import triton
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 7) or hasattr(patch_tensor, "squeezes"):
+        return
+
+    def index(self):
+        return int(self.handle.data.squeeze())
+
+    def patch_with_squeeze(tensor, *scope):  # 3.6 passes a scope that undoes its patches after the launch
+        patch_tensor(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    patch_with_squeeze.squeezes = True
+    interpreter._patch_lang_tensor = patch_with_squeeze
 
 
 if triton_missing():
