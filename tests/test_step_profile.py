@@ -6,11 +6,13 @@ from pathlib import Path
 import pytest
 
 from paged import SamplingParams
-from helpers import make_tiny_llm, random_prompts, tiny_llama
+from helpers import make_tiny_llm, random_prompts, require_cpu_kernel, tiny_llama
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_each_part_of_a_decode_step_is_found(monkeypatch, backend):
+    if backend == "cpu":
+        require_cpu_kernel()      # its parts are the C++ kernel's ops
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     step_profile = importlib.import_module("step_profile")
     engine = make_tiny_llm(tiny_llama(), attention_backend=backend).engine
