@@ -13,6 +13,8 @@ from paged import LLM, SamplingParams
 from paged.models import chat_prompt
 from paged.sampling import filter_logits, filter_params, sample
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEMPERATURES = [0.5, 1.0, 1.5]
 TOP_KS = [0, 1, 3, 50]
 TOP_PS = [0.3, 0.9, 1.0]
