@@ -91,11 +91,11 @@ def test_disabled_filters_change_no_probability(real_logits):
 
 def test_sampled_tokens_stay_in_the_oracles_support(real_logits):
     """sample() draws only tokens the warpers allow, for every setting, with a seed and without."""
-    for temperature, top_k, top_p, min_p in SETTINGS[::3]:
+    for temperature, top_k, top_p, min_p in SETTINGS[::4]:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         allowed = warped_probs(real_logits, temperature, top_k, top_p, min_p) > 0
         default = torch.Generator().manual_seed(1)
-        for seed in range(16):
+        for seed in range(8):
             seeded = [torch.Generator().manual_seed(seed) if row % 2 else None for row in range(len(real_logits))]
             tokens = sample(real_logits, [params] * len(real_logits), seeded, default)
             assert all(allowed[row, token] for row, token in enumerate(tokens))
@@ -103,16 +103,17 @@ def test_sampled_tokens_stay_in_the_oracles_support(real_logits):
 
 def test_generate_samples_within_vllms_set(smollm2):
     """Through LLM.generate on SmolLM2: with top_k=50 and top_p=0.3 at T=1.5 every first token is one the oracle
-    allows (top-p over the renormalised top 50), in 64 seeded samples."""
+    allows (top-p over the renormalised top 50), in 32 seeded samples."""
     model, tokenizer = smollm2
     prompt = chat_prompt(tokenizer, "Write one word.")
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits[:, -1].float()
     allowed = set((warped_probs(logits, 1.5, 50, 0.3, 0.0)[0] > 0).nonzero()[:, 0].tolist())
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=64)
-    outs = llm.generate([prompt] * 64, [SamplingParams(temperature=1.5, top_k=50, top_p=0.3, max_tokens=1, seed=s)
-                                        for s in range(64)], use_tqdm=False)
+    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=64,
+              enable_prefix_caching=True)
+    outs = llm.generate([prompt] * 32, [SamplingParams(temperature=1.5, top_k=50, top_p=0.3, max_tokens=1, seed=s)
+                                        for s in range(32)], use_tqdm=False)
     first = [out.outputs[0].token_ids[0] for out in outs]
     assert set(first) <= allowed and len(allowed) < 50
     assert_pool_empty(llm)
