@@ -35,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False          # keep going past the end-of-sequence token
     seed: int | None = None           # per-request random seed
     stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None   # strings that end a completion when its text contains one (stop_strings.py)
+    include_stop_str_in_output: bool = False   # the text ends after the stop string rather than before it
     logprobs: int | None = None       # per output token: its log-probability and this many most likely others
 
     def __post_init__(self):
@@ -56,6 +58,13 @@ class SamplingParams:
             self.seed = integer("seed", self.seed, low=0, high=MAX_SEED)
         self.stop_token_ids = token_id_list(
             "stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
+        stop = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
         if self.logprobs is not None:
             self.logprobs = integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.greedy and self.n > 1:
