@@ -13,8 +13,8 @@ What the loop guarantees:
   - the engine is touched only from the loop's thread, so nothing in it needs a lock;
   - text is decoded incrementally and a delta never ends inside a multi-byte character (a token holding half of
     one waits for the next token);
-  - stop strings (which the engine does not know about) end a completion here: its text is cut before the string,
-    and its sequence stops in the engine at once (blocks freed) while the request's other completions go on;
+  - stop strings end a completion here: its text is cut before the string (stop_strings.py, as offline), and its
+    sequence stops in the engine at once (blocks freed) while the request's other completions go on;
   - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
     blocks go back to the pool before the next step;
   - if a step raises, the engine has put itself back as it was (LLMEngine.transaction); the requests in flight
@@ -32,6 +32,7 @@ from .engine import LLMEngine
 from .validation import prompt_token_ids
 from .sampling import Logprob, SamplingParams
 from .sequence import RequestMetrics
+from .stop_strings import check_stop_strings, stop_hold_back
 
 IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
 
@@ -84,14 +85,17 @@ class IncrementalDetokenizer:
 
 
 class CompletionTracker:
-    """The loop's view of one completion: the tokens sent, its text, its stop strings. With stop strings, the
-    last (longest stop string - 1) characters are held back until the next token shows they do not begin one."""
+    """The loop's view of one completion: the tokens sent, its text, its stop strings (stop_strings.py). With stop
+    strings cut from the text, the last (longest stop string - 1) characters are held back until the next token
+    shows they do not begin one."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], logprobs: bool = False):
+    def __init__(self, tokenizer, stop: tuple[str, ...], logprobs: bool = False,
+                 include_stop_str_in_output: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop = stop
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.logprobs = logprobs  # pass on the sequence's log-probabilities with its tokens
-        self.hold = max(map(len, stop), default=1) - 1
+        self.hold = stop_hold_back(stop, include_stop_str_in_output)
         self.num_sent = 0
         self.text = ""            # decoded so far
         self.num_emitted = 0      # characters of text already sent
@@ -110,11 +114,9 @@ class CompletionTracker:
         searched = len(self.text)
         self.text += self.detokenizer.push(new_ids, final=finish is not None)
         end = len(self.text) if finish is not None else len(self.text) - self.hold
-        if self.stop:   # a stop string may straddle old and new text: search from where one could start
-            start = max(0, searched - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text, end, finish = self.text[:min(hits)], min(hits), "stop"
+        found = check_stop_strings(self.text, len(self.text) - searched, self.stop, self.include_stop_str_in_output)
+        if found is not None:   # a stop string, perhaps straddling old and new text
+            self.text, end, finish = self.text[:found[1]], found[1], "stop"
         delta = self.text[self.num_emitted:max(end, self.num_emitted)]
         self.num_emitted += len(delta)
         self.finish_reason = finish
@@ -271,7 +273,8 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
             return
         stream.request = request
-        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop, params.logprobs is not None)
+        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop + tuple(params.stop),
+                                                params.logprobs is not None, params.include_stop_str_in_output)
                               for _ in range(params.n)]
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)

@@ -10,6 +10,7 @@ Layout (NHD, as vLLM's flash backend):
     block_tables             int32 [num_seqs, max_blocks_per_seq]   entries past a sequence's last block are ignored
     context_lens             int32 [num_seqs]   tokens in the cache for each sequence, the new ones included
     slot_mapping             int   [num_tokens] slot = block_id * block_size + offset; -1 means "do not write"
+The pools may have any strides the kernels accept (a layer sliced from a larger tensor, heads padded).
 
 Everything is batched over sequences: one gather of the blocks a batch needs, then one masked attention
 (torch's scaled_dot_product_attention).
@@ -24,13 +25,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor, may_skip: bool = True) -> None:
     """Scatter one step's keys and values into the pools. key, value: [num_tokens, num_kv_heads, head_dim].
     may_skip=False promises that no slot is -1, which saves reading the slots back from the device."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     slots = slot_mapping.long()
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+    block, offset = slots // key_cache.shape[1], slots % key_cache.shape[1]    # [num_tokens] each
+    key_cache.index_put_((block, offset), key.to(key_cache.dtype))             # any strides: a pool may be a view
+    value_cache.index_put_((block, offset), value.to(value_cache.dtype))
 
 
 def block_ids(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: int, block_size: int) -> torch.Tensor:
@@ -46,9 +47,12 @@ def block_ids(block_tables: torch.Tensor, context_lens: torch.Tensor, max_len: i
 
 
 def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, max_len: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, Hkv, D], ids [num_seqs, nb] from block_ids -> [num_seqs, max_len, Hkv, D]."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = F.embedding(ids, cache.view(num_blocks, -1))                 # [num_seqs, nb, block_size * Hkv * D]
+    """cache [num_blocks, block_size, Hkv, D], ids [num_seqs, nb] from block_ids -> [num_seqs, max_len, Hkv, D].
+
+    The cache may have any strides (padded heads, one layer of a larger tensor): whole blocks are selected along
+    the first dimension, which never needs the pool to be viewed as one flat row per block."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    blocks = cache.index_select(0, ids.reshape(-1))                        # [num_seqs * nb, block_size, Hkv, D]
     return blocks.view(ids.shape[0], -1, num_kv_heads, head_dim)[:, :max_len]
 
 

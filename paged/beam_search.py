@@ -1,11 +1,14 @@
 """Beam search on shared blocks (guide §10): beams fork and die, and their block tables share every block
 they have in common; only a partial last block is ever copied (copy-on-write, on the first write after a fork).
 
-Each step runs one forward pass over every live beam of every prompt, scores the 2 * beam_width best next tokens
-of each beam by cumulative log-probability, and keeps the best beam_width candidates per prompt, as vLLM's
-`LLM.beam_search` does. A kept candidate continues its parent's sequence if it is the parent's first kept child,
-otherwise it forks the parent; a parent with no kept child is freed. A kept candidate that ends in EOS is complete
-and takes one of the beam_width places (vLLM sets such candidates aside and keeps beam_width others going).
+The search is vLLM's `LLM.beam_search` (vllm/entrypoints/generate/beam_search/offline.py). Each step runs one
+forward pass over every live beam of every prompt and takes each beam's 2 * beam_width most likely next tokens as
+candidates, scored by cumulative log-probability. A candidate that ends in an end-of-sequence token is a finished
+hypothesis and is set aside; of the others, the best beam_width go on as the live beams. A kept candidate continues
+its parent's sequence if it is the parent's first kept child, otherwise it forks the parent; a parent with no kept
+child is freed. At max_tokens the live beams join the finished hypotheses, and the beam_width best by
+`cum_logprob / num_generated_tokens ** length_penalty` (the generated tokens counting an ending EOS, vLLM's
+`get_beam_search_score`) are the answer.
 """
 
 from dataclasses import dataclass, field
@@ -102,8 +105,9 @@ def _search(engine, requests, beam_width):
 
 
 def _step(engine, requests, live, done, usage, beam_width) -> None:
-    """One forward pass over every live beam; each prompt keeps its beam_width best candidates. The scheduler's
-    update makes the kept candidates' forks and appends their tokens, and ends the beams at their length limit."""
+    """One forward pass over every live beam; each prompt sets its candidates that end in EOS aside and keeps its
+    beam_width best others. The scheduler's update makes the kept candidates' forks and appends their tokens, and
+    ends the beams at their length limit."""
     scheduler = engine.scheduler
     plan = scheduler.schedule()  # grows tables and makes this step's copy-on-write copies
     if not plan.scheduled:
@@ -118,16 +122,17 @@ def _step(engine, requests, live, done, usage, beam_width) -> None:
         beams = live[request.request_id]
         if not beams or beams[0][0].seq_id not in row_of:
             continue  # finished, or its prompt is still being prefilled
-        candidates = []
+        candidates, ends = [], engine.eos_token_ids
         for seq, score in beams:
             top = logprobs[row_of[seq.seq_id]].topk(2 * beam_width)
-            candidates += [(score + lp, seq, tok) for lp, tok in zip(top.values.tolist(), top.indices.tolist())]
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                if token in ends:  # a finished hypothesis: set aside, it takes no live beam's place
+                    done[request.request_id].append((seq.output_token_ids + [token], score + logprob, True))
+                else:
+                    candidates.append((score + logprob, seq, token))
         candidates.sort(key=lambda c: -c[0])
         kept = candidates[:beam_width]
-        ends = engine.eos_token_ids
-        done[request.request_id] += [(seq.output_token_ids + [tok], score, True)
-                                     for score, seq, tok in kept if tok in ends]
-        live[request.request_id] = _children(scheduler, plan, [c for c in kept if c[2] not in ends], chosen)
+        live[request.request_id] = _children(scheduler, plan, kept, chosen)
         continued = {seq for seq, _ in live[request.request_id]}  # a parent with a kept child continues as it
         dropped += [seq for seq, _ in beams if seq not in continued]
     finished = set(scheduler.update_from_output(plan, chosen))  # the forks, then the chosen tokens appended

@@ -13,6 +13,7 @@ what was kept after the update, which frees it.
 
 import contextlib
 import itertools
+import os
 import time
 
 import torch
@@ -32,6 +33,7 @@ from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .speculative import Speculator, resolve_draft
+from .stop_strings import check_stop_strings
 
 
 class LLMEngine:
@@ -170,6 +172,7 @@ class LLMEngine:
         logprobs = self._logprobs(sampled, tokens, logits)
         finished = self.scheduler.update_from_output(plan, list(zip([seq for seq, _ in sampled], tokens)),
                                                      now=self.clock())
+        finished = list(finished) + self._stop_at_stop_strings(sampled, tokens)
         for seq, entries in logprobs:  # as many as the update appended (a stop may cut a verify short)
             seq.logprobs += entries[:seq.num_tokens - seq.num_prompt_tokens - len(seq.logprobs)]
         self.kv_connector.wait_for_save(self.kv_cache)  # the blocks of requests handed over, saved and freed
@@ -288,6 +291,26 @@ class LLMEngine:
             flat = flat[len(tokens[i]):]
         return entries
 
+    def _stop_at_stop_strings(self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]]) -> list[Sequence]:
+        """The sequences whose new text completes one of their stop strings (stop_strings.py): each ends with
+        finish_reason "stop" and the string as its stop_reason; one still running gives its blocks back now."""
+        stopped = []
+        for (seq, _), new_tokens in zip(sampled, tokens):
+            if not seq.params.stop or seq.stop_reason is not None:
+                continue
+            output = seq.output_token_ids
+            text = self._decode(output)
+            before = self._decode(output[:max(0, len(output) - len(new_tokens))])
+            new_char_count = len(text) - len(os.path.commonprefix([before, text]))
+            found = check_stop_strings(text, new_char_count, seq.params.stop, seq.params.include_stop_str_in_output)
+            if found is None:
+                continue
+            if not seq.is_finished:
+                self.scheduler.abort([seq])
+            seq.finish_reason, seq.stop_reason = "stop", found[0]
+            stopped.append(seq)
+        return stopped
+
     def _release_drafts(self) -> None:
         if self.speculator is not None:
             self.speculator.release({seq.seq_id for seq in self.scheduler.running})
@@ -345,8 +368,8 @@ class LLMEngine:
     def output_of(self, request: Request) -> RequestOutput:
         outputs = []
         for seq in request.seqs:
-            output = CompletionOutput(seq.index, self._decode(seq.output_token_ids), list(seq.output_token_ids),
-                                      seq.finish_reason)
+            output = CompletionOutput(seq.index, self._text(seq), list(seq.output_token_ids), seq.finish_reason,
+                                      stop_reason=self._stop_reason(seq))
             if seq.params.logprobs is not None:
                 output.logprobs = list(seq.logprobs)
                 output.cumulative_logprob = sum(entry[token].logprob
@@ -354,6 +377,21 @@ class LLMEngine:
             outputs.append(output)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.is_finished, request.metrics)
+
+    def _text(self, seq: Sequence) -> str:
+        """A completion's text; one a stop string ended is cut before it (after it with include_stop_str_in_output)."""
+        text = self._decode(seq.output_token_ids)
+        if seq.stop_reason is None:
+            return text
+        return text[:check_stop_strings(text, len(text), [seq.stop_reason], seq.params.include_stop_str_in_output)[1]]
+
+    def _stop_reason(self, seq: Sequence) -> str | int | None:
+        """vLLM's stop_reason: the stop string that ended the completion, or its stop token id; None after EOS."""
+        if seq.stop_reason is not None or seq.finish_reason != "stop":
+            return seq.stop_reason
+        last = seq.output_token_ids[-1]
+        ended_by_eos = last in self.eos_token_ids and not seq.params.ignore_eos
+        return last if last in seq.params.stop_token_ids and not ended_by_eos else None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -13,7 +13,10 @@ rest are dropped; if all k are kept, the bonus token is drawn from p_k. Every em
 exactly as p: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y), p(y))) norm(max(0, p - q))(x)
 = min(q(x), p(x)) + max(0, p(x) - q(x)) = p(x). A proposer with no distribution (prompt lookup) proposes d with
 certainty: q is one-hot, so d is kept with probability p(d) and a rejection draws from p with d removed.
-p and q are both after temperature, top-k and top-p, so the filters apply to the target's distribution as usual.
+p and q are both after temperature, min-p, top-k and top-p, so the filters apply to the target's distribution as usual.
+(vLLM's rejection sampler, `apply_sampling_constraints` in vllm/v1/sample/rejection_sampler.py, applies temperature,
+top-k and top-p to the target's logits but not min-p; here min-p applies too, so a verified token is distributed as
+plain decoding's with every filter.)
 """
 
 import torch

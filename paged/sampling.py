@@ -1,4 +1,10 @@
-"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p (vLLM's names and meanings).
+"""Sampling parameters and the batched sampler: greedy, temperature, min-p, top-k, top-p (vLLM's names and meanings).
+
+The filters run in the order of vLLM V1's sampler (`Sampler.sample` in vllm/v1/sample/sampler.py): temperature; then
+min-p, which vLLM runs as an argmax-invariant logits processor (`MinPLogitsProcessor` in
+vllm/v1/sample/logits_processor/builtin.py) before top-k and top-p; then top-k; then top-p, measured over what top-k
+left, renormalised (`apply_top_k_top_p_pytorch` in vllm/v1/sample/ops/topk_topp_sampler.py). A filter a row does not
+ask for (top_k 0 or -1, top_p 1, min_p 0) leaves every probability of that row exactly as it was.
 
 One call samples the next token of every sequence in the step. Rows that ask for a seed draw from their own
 generator, so their text does not depend on which other requests share the batch. A request with `logprobs` also
@@ -24,10 +30,13 @@ class SamplingParams:
     temperature: float = 1.0          # 0 (or below 1e-5) means greedy
     top_p: float = 1.0                # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0                    # keep the k most likely tokens; 0 (or -1) keeps all
+    min_p: float = 0.0                # drop tokens less likely than min_p x the most likely one's probability
     max_tokens: int = 16              # new tokens at most
     ignore_eos: bool = False          # keep going past the end-of-sequence token
     seed: int | None = None           # per-request random seed
     stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None   # strings that end a completion when its text contains one (stop_strings.py)
+    include_stop_str_in_output: bool = False   # the text ends after the stop string rather than before it
     logprobs: int | None = None       # per output token: its log-probability and this many most likely others
 
     def __post_init__(self):
@@ -40,12 +49,22 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = integer("top_k", self.top_k, low=-1)
+        self.min_p = real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None:
             self.seed = integer("seed", self.seed, low=0, high=MAX_SEED)
         self.stop_token_ids = token_id_list(
             "stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
+        stop = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
         if self.logprobs is not None:
             self.logprobs = integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.greedy and self.n > 1:
@@ -96,20 +115,37 @@ def decode_logprobs(entries: list[dict[int, Logprob]], tokenizer) -> None:
             logprob.decoded_token = tokenizer.decode([token_id])
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Temperature-scaled probabilities with everything outside each row's top-k and top-p set to zero.
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Each row's sampling distribution: its logits divided by its temperature, then min-p, top-k and top-p applied
+    in that order (vLLM V1's), each removed token given probability zero.
 
-    logits [rows, vocab]; temperature, top_p float [rows]; top_k int64 [rows] (vocab for "all").
+    logits [rows, vocab]; temperature, top_p, min_p float [rows]; top_k int64 [rows], 1..vocab (vocab for "all").
+    Returns probabilities [rows, vocab], fp32.
     """
-    scaled = logits / temperature[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)                 # [rows, vocab]
-    rank = torch.arange(logits.shape[-1], device=logits.device)
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                    # probability of higher-ranked tokens
-    drop = (rank[None, :] >= top_k[:, None]) | (mass_before >= top_p[:, None])  # the top token is always kept
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits).softmax(dim=-1)
+    rows, vocab = logits.shape
+    scaled = logits.float() / temperature[:, None]                              # [rows, vocab]
+    if bool((min_p > 0).any()):
+        probs = scaled.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]           # [rows, 1]
+        scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+        ascending, order = scaled.sort(dim=-1)                                   # [rows, vocab], smallest first
+        kth_largest = ascending.gather(1, (vocab - top_k)[:, None])              # [rows, 1]
+        ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))  # ties with the k-th stay
+        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)                    # of the top-k, renormalised
+        drop = mass_up_to <= (1 - top_p)[:, None]  # the least likely tokens while what is left still reaches top_p
+        drop[:, -1] = False                                                      # the most likely token stays
+        scaled = torch.empty_like(scaled).scatter_(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return scaled.softmax(dim=-1)
+
+
+def filter_params(params: list[SamplingParams], vocab: int, device) -> tuple[torch.Tensor, ...]:
+    """The filter_logits tensors for one row per params: temperature, top_k (vocab for "all"), top_p, min_p."""
+    return (torch.tensor([p.temperature for p in params], device=device),
+            torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -137,12 +173,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        vocab = logits.shape[-1]
-        probs = filter_logits(
-            logits[rows],
-            torch.tensor([params[i].temperature for i in random_rows], device=logits.device),
-            torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in random_rows], device=logits.device),
-            torch.tensor([params[i].top_p for i in random_rows], device=logits.device))
+        probs = filter_logits(logits[rows], *filter_params([params[i] for i in random_rows], logits.shape[-1],
+                                                            logits.device))
         shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
         if shared:
             picked = torch.multinomial(probs[shared], 1, generator=default_generator)[:, 0]

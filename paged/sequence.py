@@ -30,7 +30,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0             # tokens whose K/V are in the pool
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None    # "stop" (EOS or a stop token), "length" or "abort"
+        self.finish_reason: str | None = None    # "stop" (EOS, a stop token or a stop string), "length" or "abort"
+        self.stop_reason: str | None = None      # the stop string that ended it (params.stop), if one did
         self.generator = generator
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
@@ -67,12 +68,12 @@ class Sequence:
         logprobs, so their counts are enough; a seeded generator's state is kept too, so a sample drawn is drawn
         again."""
         return (len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status, self.finish_reason,
-                self.num_preemptions, list(self.spec_token_ids), self.spec_draft_probs,
+                self.stop_reason, self.num_preemptions, list(self.spec_token_ids), self.spec_draft_probs,
                 None if self.generator is None else self.generator.get_state())
 
     def restore(self, state: tuple) -> None:
-        num_tokens, num_logprobs, self.num_computed_tokens, self.status, self.finish_reason, self.num_preemptions, \
-            self.spec_token_ids, self.spec_draft_probs, generator_state = state
+        num_tokens, num_logprobs, self.num_computed_tokens, self.status, self.finish_reason, self.stop_reason, \
+            self.num_preemptions, self.spec_token_ids, self.spec_draft_probs, generator_state = state
         del self.token_ids[num_tokens:]
         del self.logprobs[num_logprobs:]
         if generator_state is not None:
@@ -155,6 +156,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[dict[int, Logprob]] | None = None   # one per token, when SamplingParams.logprobs asked
     cumulative_logprob: float | None = None            # the sum of the chosen tokens' log-probabilities
+    stop_reason: int | str | None = None               # the stop string or stop token id that ended it (vLLM's)
 
 
 @dataclass

@@ -19,6 +19,7 @@ answers with tokens, token_logprobs, top_logprobs (the chosen token and the N mo
 /v1/chat/completions takes `logprobs: true` with `top_logprobs: N` and answers with one entry per token (token,
 logprob, bytes, its N most likely). N is at most 20; the values are the model's, before temperature, top-k and
 top-p (vLLM's default). A request holds one prompt (a batch of prompts is a 400).
+vLLM's extra fields min_p and include_stop_str_in_output mean what they mean in SamplingParams.
 
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
 `data: [DONE]`. A client that disconnects aborts its request: its blocks go back to the pool at once.
@@ -67,9 +68,11 @@ class _Common(BaseModel):
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
+    min_p: Number | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -316,12 +319,13 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
             raise BadRequest(f"model {body.model!r} is not served here; the models are "
                              f"{[model_name, *adapters]}", "model")
         kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
-                  "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs}
+                  "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
+                  "include_stop_str_in_output": body.include_stop_str_in_output}
         if isinstance(body, ChatCompletionRequest):
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
             kwargs["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
         if max_tokens is not None:

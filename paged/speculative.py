@@ -40,7 +40,7 @@ from .validation import integer
 from .kv_cache import KVCache
 from .model import PagedLlama
 from .rejection_sampler import greedy_accept, rejection_sample
-from .sampling import filter_logits, greedy_tokens
+from .sampling import filter_logits, filter_params, greedy_tokens
 
 MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
@@ -201,11 +201,10 @@ class DraftModelProposer:
 
 
 def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """logits [rows, vocab] of one sequence -> its filtered probabilities [rows, vocab] (temperature, top-k, top-p)."""
+    """logits [rows, vocab] of one sequence -> its filtered probabilities [rows, vocab], as plain sampling filters
+    them (temperature, min-p, top-k, top-p), so what verification keeps is distributed as plain decoding's."""
     rows, vocab = logits.shape
-    full = lambda value: torch.full((rows,), value, device=logits.device)
-    return filter_logits(logits, full(params.temperature), full(params.top_k if params.top_k > 0 else vocab),
-                         full(params.top_p))
+    return filter_logits(logits, *filter_params([params] * rows, vocab, logits.device))
 
 
 class Speculator:

@@ -123,13 +123,13 @@ def test_stop_token_ids_and_max_tokens(tiny_model, reference):
 
 def test_top_k_and_top_p_filters():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    one = torch.ones(1)
-    probs = filter_logits(logits, one, torch.tensor([2]), one)
+    one, zero = torch.ones(1), torch.zeros(1)
+    probs = filter_logits(logits, one, torch.tensor([2]), one, zero)
     assert (probs[0, 2:] == 0).all() and probs[0, :2].sum().item() == pytest.approx(1.0)
     full = logits.softmax(-1)[0]
-    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([full[0].item() + 1e-3]))
+    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([full[0].item() + 1e-3]), zero)
     assert (probs[0] > 0).tolist() == [True, True, False, False, False]  # the smallest set reaching top_p
-    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([1e-6]))
+    probs = filter_logits(logits, one, torch.tensor([5]), torch.tensor([1e-6]), zero)
     assert (probs[0] > 0).tolist() == [True, False, False, False, False]  # the top token always survives
 
 
@@ -160,7 +160,8 @@ def test_greedy_tokens_is_argmax(rows, vocab, seed):
 
 BAD_PARAMS = [
     (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(temperature=-1.0), "temperature"),
+    (dict(top_k=-2), "top_k"), (dict(temperature=-1.0), "temperature"), (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=float("nan")), "min_p"),
 ]
 
 

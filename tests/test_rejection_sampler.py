@@ -103,7 +103,7 @@ def test_sampled_tokens_with_and_without_speculation_agree(tiny_model, config):
     if config["method"] == "draft_model":
         config = {**config, "model": tiny_model}
     prompt = [p for p in random_prompts(1, seed=30, low=8, high=9)[0]] * 2
-    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, max_tokens=4, ignore_eos=True, seed=s)
+    params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.02, max_tokens=4, ignore_eos=True, seed=s)
               for s in range(400)]
     plain = make_tiny_llm(tiny_model, num_blocks=512, max_num_seqs=64)
     spec = make_tiny_llm(tiny_model, num_blocks=512, max_num_seqs=64, speculative_config=config)

@@ -101,6 +101,37 @@ def test_completions_and_chat_equal_generate(smollm2):
     assert smollm2.kv_stats()["num_used_blocks"] == 0
 
 
+def test_stop_strings_and_min_p_over_http_as_offline(smollm2):
+    """A stop string that spans two tokens ends the text where LLM.generate's ends, before the string or after it
+    (include_stop_str_in_output), streamed or not; min_p=1 samples the greedy text; a bad min_p is a 400 naming it."""
+    tokenizer = smollm2.tokenizer
+    prompt = chat_prompt(tokenizer, "Name a colour.")
+    full = smollm2.generate(prompt, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0].outputs[0]
+    ends = [len(tokenizer.decode(full.token_ids[:i])) for i in range(len(full.token_ids) + 1)]  # text per prefix
+    i = next(i for i in range(2, len(ends) - 1) if ends[i] > ends[i - 1] and ends[i + 1] - ends[i] >= 2
+             and full.text.index(full.text[ends[i] - 1:ends[i] + 2]) == ends[i] - 1)
+    stop = full.text[ends[i] - 1:ends[i] + 2]   # the last character of token i's text, two of token i + 1's
+    offline = {include: smollm2.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop=[stop],
+                                                                include_stop_str_in_output=include),
+                                         use_tqdm=False)[0].outputs[0] for include in (False, True)}
+    assert offline[False].text == full.text[:ends[i] - 1] and offline[True].text == full.text[:ends[i] + 2]
+    assert all(out.finish_reason == "stop" and out.stop_reason == stop for out in offline.values())
+    with server(smollm2, "smollm2") as (url, client):
+        for include in (False, True):
+            args = dict(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                        extra_body={"include_stop_str_in_output": include})
+            done = client.completions.create(**args).choices[0]
+            streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+            assert (done.text, done.finish_reason) == (offline[include].text, "stop") and streamed == done.text
+        sampled = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=1.5, seed=1,
+                                            extra_body={"min_p": 1.0})
+        assert sampled.choices[0].text == full.text
+        response = httpx.post(f"{url}/v1/completions", timeout=DEADLINE_S,
+                              json={"model": "smollm2", "prompt": prompt, "min_p": 1.5})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "min_p"
+    assert smollm2.kv_stats()["num_used_blocks"] == 0
+
+
 def test_logprobs_in_both_of_openais_shapes(smollm2):
     """/v1/completions (logprobs=N) and /v1/chat/completions (logprobs, top_logprobs), streamed and not: the
     engine's log-probabilities (LLM.generate's), each token's text, and the N most likely at each position."""

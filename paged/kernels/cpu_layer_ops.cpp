@@ -6,7 +6,11 @@
 // writes the whole tensor and, on a small decode batch, costs more in launching than in arithmetic. Here each is
 // one loop. They do the same floating-point operations in the same order as paged/model.py's torch code, in fp32
 // and in bf16 (the library is compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16
-// values are computed in fp32 and rounded to bf16 where torch rounds them), and so give the same bits.
+// values are computed in fp32 and rounded to bf16 where torch rounds them), and so give the same bits. One exception:
+// torch's elementwise loop cuts its work between threads at element counts, and a piece that begins inside a row runs
+// its vectors from there; where that cut is off the vector step, SiLU-and-multiply computes a few elements with the
+// vector exp where torch uses the scalar one (or the reverse), and those fp32 results can differ by a few ulp (width
+// 3000 on two threads; SmolLM2's 1536 puts every cut on a vector step and is exact).
 //
 //   rms_norm      hidden [num_tokens, hidden_size] (rows contiguous), delta (the same, or None), weight [hidden_size]
 //                 hidden += delta in place, then returns F.rms_norm(hidden, weight, eps)   (vLLM's fused_add_rms_norm)

@@ -1,0 +1,63 @@
+"""The torch reference attention (paged.attention) on pools with any strides the shared checks accept: heads padded
+in their storage, and K and V as two halves of one tensor per layer ([num_blocks, 2, block_size, heads, head_dim],
+vLLM V1's layout). Against the same call on contiguous copies (a dense layout) and against the C++ kernel."""
+
+import pytest
+import torch
+
+from helpers import paged_pool, random_query
+from paged import attention as ref
+from paged.kernels import checks, cpu
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def strided_copies(key_cache, value_cache, layout):
+    """The same K/V in pools that are views of larger storage (equal shapes, non-contiguous)."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if layout == "padded heads":
+        key_store = torch.full((num_blocks, block_size, num_kv_heads + 3, head_dim), float("nan"))
+        value_store = torch.full_like(key_store, float("nan"))
+        key, value = key_store[:, :, 1:1 + num_kv_heads], value_store[:, :, 1:1 + num_kv_heads]
+    else:  # "kv halves": one layer's tensor holds K and V side by side in each block
+        store = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"))
+        key, value = store[:, 0], store[:, 1]
+    key.copy_(key_cache)
+    value.copy_(value_cache)
+    assert not key.is_contiguous() and key.stride() == value.stride()
+    return key, value
+
+
+@pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
+def test_reference_attention_on_strided_pools(layout):
+    lens = [5, 16, 40, 33]
+    key_cache, value_cache, tables, context_lens = paged_pool(lens, 16, 2, 64, torch.float32, seed=3, device="cpu")
+    key, value = strided_copies(key_cache, value_cache, layout)
+    query = random_query(len(lens), 6, 64, torch.float32, seed=3, device="cpu")
+    assert checks.check_decode(query, key, value, tables, context_lens) == max(lens)  # the checks accept it
+
+    decoded = ref.decode_attention(query, key, value, tables, context_lens, 0.125)
+    assert torch.equal(decoded, ref.decode_attention(query, key_cache, value_cache, tables, context_lens, 0.125))
+    assert torch.allclose(decoded, cpu.paged_decode_attention(query, key, value, tables, context_lens, 0.125),
+                          atol=1e-5, rtol=1e-5)
+
+    query_lens = torch.tensor([5, 1, 7, 33])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+    chunk = random_query(int(query_lens.sum()), 6, 64, torch.float32, seed=4, device="cpu")
+    prefilled = ref.prefill_attention(chunk, key, value, tables, starts, context_lens, 0.125)
+    assert torch.equal(prefilled, ref.prefill_attention(chunk, key_cache, value_cache, tables, starts, context_lens,
+                                                        0.125))
+    assert torch.allclose(prefilled, cpu.paged_prefill_attention(chunk, key, value, tables, starts, context_lens,
+                                                                 0.125), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
+def test_write_kv_on_strided_pools(layout):
+    key_cache, value_cache, _, _ = paged_pool([40], 16, 2, 64, torch.float32, seed=6, device="cpu")
+    key, value = strided_copies(key_cache, value_cache, layout)
+    slots = torch.tensor([3, 17, -1, 40, 41, 63])
+    new_key, new_value = random_query(6, 2, 64, torch.float32, seed=7, device="cpu"), \
+        random_query(6, 2, 64, torch.float32, seed=8, device="cpu")
+    ref.write_kv(new_key, new_value, key, value, slots)
+    ref.write_kv(new_key, new_value, key_cache, value_cache, slots)
+    assert torch.equal(key, key_cache) and torch.equal(value, value_cache)
