@@ -284,6 +284,12 @@ class SimulationResult:
         return np.where(allocated > 0, self.counts[:, LIVE] / np.maximum(allocated, 1), 1.0)
 
     @property
+    def live_share(self) -> np.ndarray:
+        """[num_records] live / capacity at each step: the share of the whole KV pool holding tokens, which is what
+        the vLLM paper's Figure 2 reports (reservation, fragmentation and free space all count against it)."""
+        return self.counts[:, LIVE] / self.capacity
+
+    @property
     def loaded(self) -> np.ndarray:
         """[num_records] bool: steps with a request waiting for memory, i.e. the pool is the bottleneck."""
         return self.waiting > 0

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged.fragmentation import (EXTERNAL, LIVE, PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, RESERVED,
+from paged.fragmentation import (EXTERNAL, INTERNAL, LIVE, PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, RESERVED,
                                  FirstFitArena, compare, four_request_example, reservation_tokens, simulate)
 from paged.traces import TraceRequest, sharegpt_trace
 
@@ -69,6 +69,20 @@ def test_utilisation_is_ordered_like_the_paper():
     assert utilisation["paged-16"] > PAPER_VLLM_USAGE - 0.02
     assert utilisation["paged-8"] >= utilisation["paged-16"] >= utilisation["paged-128"]
     assert summaries["paged-16"]["max_concurrency"] > 3 * summaries["naive-max"]["max_concurrency"]
+
+
+def test_live_share_is_the_papers_quantity():
+    """The paper's Figure 2 counts token states against the whole KV memory: live / pool, never above live /
+    allocated, and below it by exactly the share of the pool held by external fragmentation and free slots."""
+    result = simulate(sharegpt_trace(150, seed=0), "pow2", capacity=8192)
+    allocated = result.counts[:, [LIVE, RESERVED, INTERNAL]].sum(1)
+    np.testing.assert_allclose(result.live_share, result.counts[:, LIVE] / 8192)
+    assert (result.live_share <= result.utilisation + 1e-12).all()
+    loaded = result.loaded
+    np.testing.assert_allclose(result.live_share[loaded] * 8192, result.utilisation[loaded] * allocated[loaded])
+    summary = result.summary()
+    assert summary["live_fraction"] == pytest.approx(result.live_share[loaded].mean())
+    assert summary["live_fraction"] < summary["utilisation"]   # pow2 strands memory in holes
 
 
 def test_breakdown_fields_sum_to_capacity_and_layouts_agree():

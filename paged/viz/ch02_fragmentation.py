@@ -109,9 +109,9 @@ def step_caption(result: SimulationResult, step: int) -> str:
 
 
 def utilisation_series(result: SimulationResult, window: int = 50) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, utilisation) smoothed by a moving mean over `window` records, over the steps under load."""
+    """(steps, live / pool) smoothed by a moving mean over `window` records, over the steps under load."""
     mask = result.loaded
-    steps, values = result.steps[mask], result.utilisation[mask]
+    steps, values = result.steps[mask], result.live_share[mask]
     if len(values) > window:
         values = np.convolve(values, np.ones(window) / window, mode="valid")
         steps = steps[window // 2: window // 2 + len(values)]
@@ -119,7 +119,8 @@ def utilisation_series(result: SimulationResult, window: int = 50) -> tuple[np.n
 
 
 def plot_utilisation_over_time(results: list[SimulationResult], title: str = ""):
-    """Utilisation (live / allocated) against step, one line per scheme, with the paper's ranges."""
+    """The share of the KV pool holding tokens (live / pool) against step, one line per scheme, with the paper's
+    ranges, which are shares of the same whole."""
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.axhspan(PAPER_ORCA_USAGE["max"], PAPER_ORCA_USAGE["oracle"], color="#d9534f", alpha=0.12,
                label="paper: existing systems 20.4-38.2 %")
@@ -127,7 +128,7 @@ def plot_utilisation_over_time(results: list[SimulationResult], title: str = "")
     for result in results:
         steps, values = utilisation_series(result)
         ax.plot(steps, values, label=result.scheme, linewidth=1.2)
-    ax.set(xlabel="decode step", ylabel="live / allocated KV", ylim=(0, 1.02), title=title or "Utilisation under load")
+    ax.set(xlabel="decode step", ylabel="live / KV pool", ylim=(0, 1.02), title=title or "KV memory holding tokens")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     return fig
@@ -155,12 +156,12 @@ def plot_breakdown(summaries: list[dict], title: str = ""):
 
 
 def plot_block_size_sweep(summaries_by_trace: dict[str, list[dict]]):
-    """Paged allocation at each block size: utilisation (left) and max concurrency (right), one line per trace."""
+    """Paged allocation at each block size: live / pool (left) and max concurrency (right), one line per trace."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     for trace_name, summaries in summaries_by_trace.items():
         paged = [s for s in summaries if s["scheme"].startswith("paged-")]
         sizes = [int(s["scheme"].removeprefix("paged-")) for s in paged]
-        left.plot(sizes, [s["utilisation"] for s in paged], marker="o", label=trace_name)
+        left.plot(sizes, [s["live_fraction"] for s in paged], marker="o", label=trace_name)
         right.plot(sizes, [s["max_concurrency"] for s in paged], marker="o", label=trace_name)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
@@ -168,7 +169,7 @@ def plot_block_size_sweep(summaries_by_trace: dict[str, list[dict]]):
         ax.minorticks_off()
         ax.set_xlabel("block size (tokens)")
     left.axhline(PAPER_VLLM_USAGE, color="grey", linestyle="--", label="paper: vLLM 96.3 %")
-    left.set(ylabel="live / allocated KV", title="Smaller blocks waste less")
+    left.set(ylabel="live / KV pool", title="Smaller blocks waste less")
     right.set(yscale="log", ylabel="requests running at once", title="Max concurrency in the same pool")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
