@@ -121,7 +121,7 @@ def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: 
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (sequences decoding together)")
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title(f"k = {num_drafts}, context {context}: E(a, k) x t_decode / t_verify")
+    ax.set_title(f"k = {num_drafts}, context {context}: E(a, k) x t_decode / t_verify, curves from the step cost")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
