@@ -22,10 +22,9 @@ from paged.block_manager import cdiv
 from paged.geometry import KVGeometry, format_bytes
 from paged.models import load_hf_model
 from paged.offload import KVTier
-from paged.offload_cost import (PCIE5_X16_BANDWIDTH, PREFILL_MFU, crossover_tokens, gpu_recompute_seconds,
-                                gpu_swap_seconds, measure_swap_and_recompute, measure_ttft)
-
-LLAMA3_70B_PARAMS = 70.6e9
+from paged.offload_cost import (LLAMA3_70B_LAYER_WEIGHTS, PCIE5_X16_BANDWIDTH, PREFILL_MFU, crossover_tokens,
+                                gpu_recompute_seconds, gpu_swap_seconds, layer_weights, measure_swap_and_recompute,
+                                measure_ttft)
 
 
 def main() -> None:
@@ -53,7 +52,7 @@ def main() -> None:
                  "disk": KVTier(llm.engine.kv_cache, slots, Path(folder) / "swap.kv")}
         measured = measure_swap_and_recompute(llm, lengths, tiers, repeats=3)
     geometry = KVGeometry.from_config(model.config, torch.float32)
-    smollm2_params = sum(p.numel() for p in model.parameters())
+    smollm2_params = layer_weights(model)
     print(f"\nswap (out + back in) against recompute (prefill again), SmolLM2 fp32, "
           f"{format_bytes(geometry.bytes_per_token)} per token, this CPU")
     print(f"{'tokens':>7} {'recompute s':>12} {'memory s':>10} {'disk s':>10} {'recompute/memory':>17} "
@@ -73,7 +72,7 @@ def main() -> None:
           f"{PCIE5_X16_BANDWIDTH / 1e9:.0f} GB/s each way")
     grid = [2 ** k for k in range(4, 18)]
     for name, geo, params in (("SmolLM2-135M", KVGeometry.from_config(model.config, torch.bfloat16), smollm2_params),
-                              ("Llama-3-70B", KVGeometry.llama3_70b(), LLAMA3_70B_PARAMS)):
+                              ("Llama-3-70B", KVGeometry.llama3_70b(), LLAMA3_70B_LAYER_WEIGHTS)):
         def swap(n, geo=geo):
             return gpu_swap_seconds(geo, n)
 

@@ -98,7 +98,7 @@ class LLMEngine:
                 raise ValueError("lora_request needs an engine made with enable_lora=True")
             self.lora.resolve(lora_request)
         return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()),
-                       cache_key=lora_request.lora_int_id if lora_request is not None else None,
+                       cache_key=lora_request.cache_key if lora_request is not None else None,
                        lora_request=lora_request)
 
     def _next_request_id(self) -> str:

@@ -32,6 +32,7 @@ H100_MEMORY = 81_559 * MiB   # an "80 GB" H100 as NVML (nvidia-smi) reports it: 
 PAPER_KV_IN_USE = (0.204, 0.382)       # vLLM paper, Fig. 2: share of reserved KV memory holding tokens, old systems
 VLLM_V1_PREFIX_CACHING_DEFAULT = True   # vllm/config/cache.py, CacheConfig.enable_prefix_caching (chapter 12)
 BELADY_REFERENCES = (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)   # the reference string of Belady, Nelson and Shedler (1969)
+LLAMA2_7B_PARAMS = 6_738_415_616       # Llama-2-7B's weights: 32 layers of hidden size 4,096, a 32,000-token vocabulary
 
 
 # small models the guide's arithmetic needs and the engine does not ---------------------------------------------------
@@ -89,6 +90,12 @@ def e2e_formula_holds(ttft: float = 1.0, tpot: float = 0.05, num_output_tokens: 
     finished = ttft + tpot * (num_output_tokens - 1)
     record = RequestRecord("r", 1, num_output_tokens, 0.0, 0.0, ttft, finished)
     return abs(record.e2e_latency - (record.ttft + num_output_tokens * record.tpot)) < 1e-9
+
+
+def lora_weights(num_layers: int, shapes, rank: int) -> int:
+    """Weights of a LoRA adapter of one rank: for each targeted projection W [out, in] of each layer, A [rank, in] and
+    B [out, rank]. shapes: the (out, in) of the projections targeted in every layer."""
+    return num_layers * sum(rank * (out + inp) for out, inp in shapes)
 
 
 def unaligned_fraction(prompt_lens, block_size: int) -> float:
@@ -222,6 +229,11 @@ def guide_numbers() -> list[GuideNumber]:
                     len(chunks), "steps", 6,
                     note=" + ".join(f"{c:,}" for c in chunks) + " = 8,000: 64 decodes in the first step, 65 after, "
                          "as the guide's decomposition has it; its last chunk is not 256 tokens", key=r"1,983"),
+        GuideNumber("12", "§16: a LoRA adapter's share of its model's weights (rank 16 on q and v, Llama-2-7B)",
+                    100 * lora_weights(32, [(4096, 4096)] * 2, 16) / LLAMA2_7B_PARAMS, "%", 1,
+                    note="32 layers x 2 projections x 16 x (4,096 + 4,096) = 8,388,608 weights of 6.74 B: about a "
+                         "tenth of the guide's figure", shown_decimals=2,
+                    key=r"0\.12 %"),
         GuideNumber("12", "§18: vLLM V1 turns prefix caching on by default", VLLM_V1_PREFIX_CACHING_DEFAULT, "", False,
                     note="read from vLLM's source: CacheConfig.enable_prefix_caching defaults to True "
                          "(vllm/config/cache.py)", key=r"enable_prefix_caching = True"),

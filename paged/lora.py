@@ -23,8 +23,8 @@ The pieces, top to bottom:
 
 The model's projections are fused (q, k, v in one matmul, gate and up in another): each target's update lands
 on its slice of the fused output. The scheduler admits a request only while the running sequences use at most
-max_loras distinct adapters, so every step's adapters fit the slots; the adapter's id joins each block's
-prefix-cache hash (`Request.cache_key`), so K/V computed under one adapter is never reused under another.
+max_loras distinct adapters, so every step's adapters fit the slots; the adapter's name and path join each
+block's prefix-cache hash (`LoRARequest.cache_key`), so K/V computed under one adapter is never reused under another.
 """
 
 import contextlib
@@ -73,6 +73,14 @@ class LoRARequest:
                 object.__setattr__(self, "lora_int_id", operator.index(lora_id))
             except TypeError:  # a tensor of several elements, say: resolve() names it
                 pass
+
+    @property
+    def cache_key(self) -> tuple:
+        """What joins the prefix-cache hash of every block computed under this adapter: its name and its path, as
+        vLLM's `_gen_lora_extra_hash_keys` keys them. Not the id, which is only this engine's number for the adapter:
+        two engines that number the same adapter differently still name its blocks alike. The key does not see the
+        weights: an adapter rewritten in place and served again under the same name and path meets its old K/V."""
+        return "lora", self.lora_name, os.fspath(self.lora_path)
 
 
 @dataclass

@@ -1,14 +1,19 @@
 """What swap and the prefix-cache tier cost, measured here and modelled for a GPU (guide §15, §17).
 
-A preempted sequence of n tokens can be brought back two ways:
+A preempted sequence of n tokens can be brought back three ways:
   swap       its K/V go out to the tier and come back: 2 * n * bytes_per_token over the link between them
-  recompute  its blocks are dropped and prefilled again: 2 * num_params * n + 2 * n^2 * num_layers * d FLOPs
-             (d = num_attention_heads * head_dim; the n^2 term is causal attention's QK^T and PV)
+  recompute  its blocks are dropped and prefilled again: 2 * P * n + 2 * n^2 * num_layers * d FLOPs
+             (P = the decoder layers' weights, d = num_attention_heads * head_dim; the n^2 term is causal
+             attention's QK^T and PV)
+  recompute that hits the prefix cache
+             its blocks are freed with their hashes kept (vLLM V1's preemption), and the c leading tokens whose
+             blocks nobody has reused since are found in the cache: only tokens c..n are prefilled again,
+             2 * P * (n - c) + 2 * (n^2 - c^2) * num_layers * d FLOPs
 Swap grows linearly with n, recompute faster than linearly: "recomputing the prefill, which can be much worse for
-long-context requests" (guide §15). Which one wins depends on the model's ratio of KV bytes to FLOPs per token and on
-the machine's ratio of link bandwidth to compute. `gpu_swap_seconds` / `gpu_recompute_seconds` are that model for an
-H100 on PCIe 5.0; `measure_swap_and_recompute` and `measure_ttft` measure the same things on the engine, in this
-process.
+long-context requests" (guide §15). Which one wins depends on the model's ratio of KV bytes to FLOPs per token, on
+the machine's ratio of link bandwidth to compute, and on the share of peak FLOP/s a prefill reaches (its MFU).
+`gpu_swap_seconds` / `gpu_recompute_seconds` are that model for an H100 on PCIe 5.0; `measure_swap_and_recompute`
+and `measure_ttft` measure the same things on the engine, in this process.
 """
 
 import time
@@ -19,13 +24,24 @@ from .geometry import H100_SXM_BF16_FLOPS, KVGeometry
 from .sampling import SamplingParams
 
 PCIE5_X16_BANDWIDTH = 64e9   # bytes/s one way, PCIe 5.0 x16 (32 GT/s x 16 lanes, before protocol overhead)
-PREFILL_MFU = 0.5            # share of peak FLOP/s a large prefill reaches on a GPU (a round, typical figure)
+PREFILL_MFU = 0.5            # share of peak FLOP/s of a large model's long prefill; a small model's reaches less
+# Llama-3-70B's decoder layers: 80 x (q, o 8192^2; k, v 8192 x 1024; gate, up, down 8192 x 28672; two norms);
+# with the embedding and the untied head (128,256 x 8,192 each) and the final norm, 70.55e9 weights in all
+LLAMA3_70B_LAYER_WEIGHTS = 80 * (2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192)
 
 
-def prefill_flops(geometry: KVGeometry, num_params: float, num_tokens: int) -> float:
-    """FLOPs of prefilling num_tokens tokens: the weights' 2 * P per token plus causal attention."""
-    attention = 2 * num_tokens ** 2 * geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
-    return 2 * num_params * num_tokens + attention
+def layer_weights(hf_model) -> int:
+    """The weights every prefilled token goes through: the decoder layers'. Not the embedding (a lookup, no FLOPs)
+    nor the LM head, which a recompute needs for the last token only."""
+    return sum(p.numel() for p in hf_model.model.layers.parameters())
+
+
+def prefill_flops(geometry: KVGeometry, num_params: float, num_tokens: int, num_cached: int = 0) -> float:
+    """FLOPs of prefilling tokens num_cached..num_tokens after num_cached cached ones: the weights' 2 * P per token
+    (num_params = P, the layer weights) plus causal attention over every (query, key) pair they compute."""
+    d = geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
+    attention = 2 * (num_tokens ** 2 - num_cached ** 2) * d
+    return 2 * num_params * (num_tokens - num_cached) + attention
 
 
 def gpu_swap_seconds(geometry: KVGeometry, num_tokens: int, bandwidth: float = PCIE5_X16_BANDWIDTH) -> float:
@@ -34,14 +50,19 @@ def gpu_swap_seconds(geometry: KVGeometry, num_tokens: int, bandwidth: float = P
 
 
 def gpu_recompute_seconds(geometry: KVGeometry, num_params: float, num_tokens: int,
-                          flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
-    """A sequence's prefill done again at mfu of the GPU's peak."""
-    return prefill_flops(geometry, num_params, num_tokens) / (flops * mfu)
+                          flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU,
+                          cached_share: float = 0.0) -> float:
+    """A sequence's prefill done again at mfu of the GPU's peak; cached_share of its tokens (rounded down) are
+    found in the prefix cache and not computed."""
+    if not 0 <= cached_share <= 1:
+        raise ValueError(f"cached_share must be in [0, 1], got {cached_share}")
+    num_cached = int(cached_share * num_tokens)
+    return prefill_flops(geometry, num_params, num_tokens, num_cached) / (flops * mfu)
 
 
 def gpu_crossover_tokens(geometry: KVGeometry, num_params: float, bandwidth: float = PCIE5_X16_BANDWIDTH,
                          flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
-    """The context length n at which swap and recompute cost the same in the GPU model, from
+    """The context length n at which swap and a full recompute cost the same in the GPU model, from
     2 n B / bandwidth = (2 P n + 2 n^2 L d) / (flops * mfu). Swap is cheaper beyond it; 0 when it is cheaper at
     every length (the link carries a token's K/V faster than the GPU computes its weights' share)."""
     per_token_link = 2 * geometry.bytes_per_token * flops * mfu / bandwidth   # FLOPs the link time is worth

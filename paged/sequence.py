@@ -123,7 +123,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
-    cache_key: object = None  # extra key mixed into prefix-cache hashes: the LoRA adapter's id (lora_int_id), or None
+    cache_key: object = None  # extra key mixed into prefix-cache hashes: LoRARequest.cache_key, or None
     lora_request: object = None  # the paged.lora.LoRARequest it runs under, or None for the base model (guide §16)
     kv_transfer_params: dict | None = None  # what a KV connector reads (kv_connector.py): {"do_remote_decode": True}
 

@@ -3,7 +3,10 @@
 A verify step appends E(a, k) = 1 + a + ... + a^k tokens per sequence on average (`expected_tokens`) for the price
 of one forward pass over k + 1 tokens per sequence; a plain decode step appends one token for a pass over one.
 `verify_speedup` prices both passes with a step-cost model (paged/step_cost.py) and `crossover_batch` finds the
-batch size where speculation stops paying; `measure_step` times the same two passes on the engine's own model.
+batch size where speculation stops paying; `measure_step` times the same two passes on the engine's own model, and
+`break_even_acceptance` turns a timed verify cost into the acceptance a proposer needs to pay at it.
+Two acceptances are kept apart: the per-position probability a of the model above, and the rate r = accepted /
+drafted that vLLM reports, with r = (a + a^2 + ... + a^k) / k under the model (`rate_of_acceptance`).
 The mechanism itself (proposers, verify, rollback) is paged/speculative.py.
 """
 
@@ -25,6 +28,35 @@ def expected_tokens(acceptance: float, num_drafts: int) -> float:
     if num_drafts < 0:
         raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
     return float(num_drafts + 1) if acceptance == 1 else (1 - acceptance ** (num_drafts + 1)) / (1 - acceptance)
+
+
+def rate_of_acceptance(acceptance: float, num_drafts: int) -> float:
+    """The accepted / drafted rate r that a per-position acceptance a gives over num_drafts >= 1 drafts:
+    (a + a^2 + ... + a^k) / k, since the j-th draft is accepted only if the j - 1 before it were."""
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    return (expected_tokens(acceptance, num_drafts) - 1) / num_drafts
+
+
+def acceptance_of_rate(rate: float, num_drafts: int) -> float:
+    """The per-position acceptance a whose accepted / drafted rate is `rate` (the inverse of rate_of_acceptance)."""
+    if not 0 <= rate <= 1:
+        raise ValueError(f"rate must be in [0, 1], got {rate}")
+    low, high = 0.0, 1.0
+    for _ in range(60):                            # bisection: r grows with a
+        middle = (low + high) / 2
+        low, high = (middle, high) if rate_of_acceptance(middle, num_drafts) < rate else (low, middle)
+    return (low + high) / 2
+
+
+def break_even_acceptance(verify_cost: float, num_drafts: int) -> tuple[float, float] | None:
+    """(a, r): the per-position acceptance and the accepted / drafted rate at which a free proposer's verify, costing
+    verify_cost decode steps, appends as many tokens as those decode steps would, E(a, k) = 1 + k r = verify_cost.
+    Speculation pays above them. None if it cannot pay (verify_cost > k + 1, more than E ever reaches)."""
+    if verify_cost > num_drafts + 1:
+        return None
+    rate = max(0.0, (verify_cost - 1) / num_drafts)
+    return acceptance_of_rate(rate, num_drafts), rate
 
 
 def verify_speedup(step_cost, batch: int, num_drafts: int, acceptance: float, context: int,

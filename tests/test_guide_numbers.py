@@ -62,6 +62,8 @@ def test_every_correction_with_its_right_figure(rows):
         "§9: FLOPs that 1.5 B cached prefill tokens save, Llama-3-70B": pytest.approx(2.118e20),
         "§9: LRU replacement shows Belady's anomaly": False,
         "§12: steps to prefill an 8,000-token prompt, budget 2,048, beside the running decodes": 5,
+        "§16: a LoRA adapter's share of its model's weights (rank 16 on q and v, Llama-2-7B)": pytest.approx(0.1245,
+                                                                                                        abs=1e-4),
         "§18: vLLM V1 turns prefix caching on by default": True,
         "§18: batch at which Llama-3-70B decode on an H100 turns compute-bound, 1,024-token context": 932,
     }
@@ -148,3 +150,20 @@ def test_chunk_sizes():
 def test_unaligned_fraction():
     assert unaligned_fraction([16, 32, 17, 1], 16) == 0.5
     assert unaligned_fraction(list(range(1, 1601)), 16) == pytest.approx(15 / 16)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lora_weights_are_those_peft_adds_to_a_llama_2_7b():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.guide_numbers import LLAMA2_7B_PARAMS, lora_weights
+    config = LlamaConfig(vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
+    with torch.device("meta"):                    # shapes only
+        model = LlamaForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == LLAMA2_7B_PARAMS
+    peft_model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    added = sum(p.numel() for name, p in peft_model.named_parameters() if "lora_" in name)
+    assert added == lora_weights(32, [(4096, 4096)] * 2, 16)

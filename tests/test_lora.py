@@ -196,6 +196,25 @@ def test_prefix_cache_is_keyed_by_adapter(adapters):
     assert_pool_empty(llm)
 
 
+def test_the_prefix_cache_key_is_the_adapters_name_and_path_not_its_id(adapters):
+    """As in vLLM (`_gen_lora_extra_hash_keys`): two engines that number one adapter differently name its blocks
+    alike, and one name pointed at another folder names them otherwise."""
+    (first, _), (second, _) = adapters[0], adapters[1]
+    prompt = list(range(40, 75))                  # 35 tokens: 4 full blocks of 8
+
+    def cached_hashes(*requests):
+        llm = lora_llm(enable_prefix_caching=True)
+        for request in requests:                  # registered in this order: the ids each engine has seen
+            llm.generate([prompt], GREEDY, lora_request=request, use_tqdm=False)
+        return set(llm.engine.block_manager.cached)
+
+    alone = cached_hashes(first)
+    renumbered = LoRARequest(first.lora_name, 7, first.lora_path)
+    assert len(alone) >= 4 and alone < cached_hashes(second, renumbered)
+    repointed = LoRARequest(first.lora_name, first.lora_int_id, second.lora_path)
+    assert not alone & cached_hashes(repointed)
+
+
 def test_slot_eviction_and_reload_keep_outputs(adapters):
     """Three adapters through one slot: the scheduler runs one adapter at a time (plus base requests), slots are
     evicted and reloaded, and every request still gets its own tokens."""

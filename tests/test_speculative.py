@@ -2,6 +2,7 @@
 everything, rejected drafts give their blocks back, bad configs are refused by name, and sampling stays lossless."""
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import (assert_pool_empty, cached_blocks_hold_their_tokens, hf_greedy, make_tiny_llm, random_prompts,
@@ -271,3 +272,21 @@ def test_forks_made_while_their_parent_verifies_drafts_take_only_its_accepted_to
     assert llm.spec_stats()["num_drafts"] > 0
     assert_pool_empty(llm)
     assert_draft_pool_empty(llm)
+
+
+def test_the_two_acceptances_and_the_break_even_point():
+    from paged.speculative_cost import (acceptance_of_rate, break_even_acceptance, expected_tokens,
+                                        rate_of_acceptance)
+    # r by counting: over many verifies with independent per-position acceptance a, accepted / drafted
+    generator = torch.Generator().manual_seed(0)
+    a, k, verifies = 0.7, 3, 200_000
+    accepted = (torch.rand(verifies, k, generator=generator) < a).int().cumprod(dim=1).sum()
+    assert rate_of_acceptance(a, k) == pytest.approx(accepted.item() / (verifies * k), abs=3e-3)
+    assert rate_of_acceptance(0.75, 5) == pytest.approx(0.4576, abs=1e-4)   # chapter 09: a = 0.75 gives r = 0.46
+    assert acceptance_of_rate(rate_of_acceptance(0.42, 4), 4) == pytest.approx(0.42)
+    # a verify that costs 2 decode steps pays from E = 2 on: r = 1/3 with k = 3
+    a_even, r_even = break_even_acceptance(2.0, 3)
+    assert r_even == pytest.approx(1 / 3) and expected_tokens(a_even, 3) == pytest.approx(2.0)
+    assert break_even_acceptance(4.5, 3) is None and break_even_acceptance(0.8, 3) == pytest.approx((0.0, 0.0))
+    with pytest.raises(ValueError, match="rate"):
+        acceptance_of_rate(1.5, 3)

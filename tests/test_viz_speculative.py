@@ -45,9 +45,14 @@ def test_plots_draw_their_curves_and_points():
     assert len(fig.axes[0].lines) == 4                          # and the measured point, on the c = 0 panel
     from paged.step_cost import StepCost
     cost = StepCost(fixed=10.0, per_token=1.0, per_seq=0.0, per_pair=0.0)  # E(0.5, 3) stops paying at batch 5
-    fig = plot_speedup_vs_batch(cost, [0.5, 1.0], max_batch=64, points=[(4, 1.1, "measured")])
+    fig = plot_speedup_vs_batch(cost, [0.5, 1.0], max_batch=64, points=[(4, 1.1, "measured"), (4, 1.1, "again")])
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels == ["a = 0.50: stops at batch 5", "a = 1.00: pays up to 64"]
-    assert len(fig.axes[0].lines) == 4  # two curves, the break-even line, the measured point
+    assert labels == ["a = 0.50: stops at batch 5", "a = 1.00: pays up to 64", "measured", "again"]
+    assert len(fig.axes[0].lines) == 5  # two curves, the break-even line, two measured points
+    assert not fig.axes[0].texts        # named in the legend, not beside points that may coincide
+    fig = plot_speedup_vs_batch(cost, [0.5, 1.0], max_batch=64, verify_costs={1: 2.0, 8: 4.0})
+    timed = [line for line in fig.axes[0].lines if line.get_marker() == "x" and len(line.get_xdata())]
+    assert [list(line.get_ydata()) for line in timed] == [[expected_tokens(a, 3) / c for c in (2.0, 4.0)]
+                                                         for a in (0.5, 1.0)]
     fig = plot_token_histograms({1: 5, 2: 3}, {1: 4, 3: 1}, "t")
     assert len(fig.axes[0].patches) == 6  # three tokens, two bars each

@@ -72,9 +72,13 @@ def verify_steps_html(records: list[dict], decode=str, limit: int = 12) -> str:
     return f'<table style="border-collapse:collapse">{head}{"".join(rows)}</table>'
 
 
+MARKERS = "os^Dv<>"
+
+
 def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
-    """speedup = E(a, k) / (1 + k c) against the acceptance rate a, one panel per draft cost c; points:
-    (a, speedup, label) measured for a proposer that costs nothing (prompt lookup), drawn on the first panel."""
+    """speedup = E(a, k) / (1 + k c) against the per-position acceptance a, one panel per draft cost c; points:
+    (a, speedup, label) measured for a proposer that costs nothing (prompt lookup), drawn on the first panel, each
+    with its own marker and named in the legend (labels beside points that coincide would print over each other)."""
     fig, axes = plt.subplots(1, len(costs), figsize=(4 * len(costs), 3.4), sharey=True)
     grid = [i / 100 for i in range(100)]
     for ax, c in zip(axes, costs):
@@ -82,37 +86,43 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
             ax.plot(grid, [expected_tokens(a, k) / (1 + k * c) for a in grid], label=f"k = {k}")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_title(f"draft cost c = {c}")
-        ax.set_xlabel("acceptance rate a")
-    for a, speedup, label in points:
-        axes[0].plot([a], [speedup], "ko")
-        axes[0].annotate(label, (a, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("per-position acceptance a")
+    for (a, speedup, label), marker in zip(points, MARKERS):
+        axes[0].plot([a], [speedup], marker, color="black", fillstyle="none", ls="none", label=label)
     axes[0].set_ylabel("tokens per target pass / cost")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
 def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512,
-                          points=()):
-    """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per acceptance rate,
-    each step priced by step_cost (paged.step_cost.StepCost); where a curve crosses 1 is where speculation stops
-    paying. points: (batch, speedup, label) measured, drawn on the same axes."""
+                          points=(), verify_costs=None):
+    """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per per-position
+    acceptance a, each step priced by step_cost (paged.step_cost.StepCost); where a curve crosses 1 is where
+    speculation stops paying. points: (batch, speedup, label) measured, each with its own marker in the legend.
+    verify_costs: {batch: a verify's timed cost in decode steps}; each curve then gets E(a, k) / that cost at those
+    batch sizes, dotted, in its colour: the speedup at the timed verify cost instead of the modelled one."""
     fig, ax = plt.subplots(figsize=(7, 3.6))
     batches = np.unique(np.geomspace(1, max_batch, 64).round().astype(int)).tolist()
     for a in acceptances:
         stops = crossover_batch(step_cost, num_drafts, a, context, max_batch=max_batch)
         label = f"a = {a:.2f}: " + ("never pays" if stops == 1 else f"stops at batch {stops}" if stops
                                     else f"pays up to {max_batch}")
-        ax.plot(batches, [verify_speedup(step_cost, b, num_drafts, a, context) for b in batches], label=label)
+        line, = ax.plot(batches, [verify_speedup(step_cost, b, num_drafts, a, context) for b in batches], label=label)
+        if verify_costs:
+            timed = sorted(verify_costs)
+            ax.plot(timed, [expected_tokens(a, num_drafts) / verify_costs[b] for b in timed], "x:",
+                    color=line.get_color())
+    if verify_costs:
+        ax.plot([], [], "x:", color="grey", label="x: at the timed verify cost")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    for batch, speedup, label in points:
-        ax.plot([batch], [speedup], "ko")
-        ax.annotate(label, (batch, speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for (batch, speedup, label), marker in zip(points, MARKERS):
+        ax.plot([batch], [speedup], marker, color="black", fillstyle="none", ls="none", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (sequences decoding together)")
     ax.set_ylabel("speedup over plain decoding")
-    ax.set_title(f"k = {num_drafts}, context {context}: E(a, k) x t_decode / t_verify")
-    ax.legend(fontsize=8)
+    ax.set_title(f"k = {num_drafts}, context {context}: E(a, k) x t_decode / t_verify, curves from the step cost")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -138,7 +138,7 @@ def plot_crossover(lengths, series: dict[str, list[float]], title: str, ylabel: 
     ax.set_xlabel("context of the preempted sequence (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig
