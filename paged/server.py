@@ -149,6 +149,10 @@ class BadRequest(Exception):
         self.message, self.param = message, param
 
 
+class EngineFailure(Exception):
+    """The engine could not take a request for a reason of its own (its loop stopped): HTTP 500."""
+
+
 def error_response(message: str, param: str | None, status: int = 400,
                    kind: str = "invalid_request_error") -> JSONResponse:
     """OpenAI's error object."""
@@ -373,11 +377,11 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     names a request's Host header may give (loopback by default, so that a web page cannot reach a server on this
     machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
-    if lora_modules and llm.engine.lora is None:
-        raise ValueError("lora_modules needs an LLM made with enable_lora=True")
     if model_name in lora_modules:
         raise ValueError(f"lora_modules: the adapter name {model_name!r} is the served model's name; requests for "
                          f"the base model would run under the adapter. Give the adapter another name")
+    if lora_modules and llm.engine.lora is None:
+        raise ValueError("lora_modules needs an LLM made with enable_lora=True")
     adapters = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(lora_modules.items())}
     for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
         llm.engine.lora.resolve(adapter)
@@ -433,6 +437,10 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest):
         return error_response(error.message, error.param)
+
+    @app.exception_handler(EngineFailure)
+    async def engine_failure(request: Request, error: EngineFailure):
+        return error_response(f"the engine failed: {error}", None, 500, "internal_error")
 
     @app.get("/health")
     async def health():
@@ -546,6 +554,8 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         except ValueError as error:
             message = str(error)
             raise BadRequest(message, param if message.startswith("prompt") else field_of(message)) from None
+        except Exception as error:   # not the request's fault
+            raise EngineFailure(str(error)) from None
 
     async def collect(request: Request, streams: list) -> list | None:
         """Every output of each non-streamed request; if the client disconnects first, they are aborted."""
