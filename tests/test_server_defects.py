@@ -1,7 +1,6 @@
 """Defects found by probing the server and its command line, one test per class, each on cases of its own; after
 each bad request the server answers the next one as usual."""
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
