@@ -607,7 +607,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         streams = []
         try:
             for i, ids in enumerate(token_ids):
-                engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
                 streams.append(await start(body, ids, params, max_tokens is None, engine_id,
                                            param if len(prompts) == 1 else f"prompt[{i}]",
                                            max(num_prompt_top) if num_prompt_top else None))
