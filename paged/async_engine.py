@@ -18,7 +18,8 @@ What the loop guarantees:
   - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
     blocks go back to the pool before the next step;
   - if a step raises, the engine has put itself back as it was (LLMEngine.transaction); the requests in flight
-    are aborted and each waiting consumer receives the error instead of waiting forever.
+    are aborted and each waiting consumer receives the error instead of waiting forever, while requests that
+    arrive meanwhile are served as usual.
 """
 
 import asyncio
@@ -49,12 +50,16 @@ class CompletionDelta:
 
 @dataclass
 class StreamOutput:
-    """One step's news for one request. The last one has finished=True and the request's engine timestamps."""
+    """One step's news for one request. The last one has finished=True and the request's engine timestamps; the
+    first one carries the prompt's log-probabilities when the request asked for them."""
     request_id: str
     num_prompt_tokens: int
     completions: list[CompletionDelta]
     finished: bool
     metrics: RequestMetrics | None = None   # engine clock (time.perf_counter): arrival, first token, each token
+    completion_token_times: list[list[float]] | None = None   # with metrics: each completion's own token times
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # RequestOutput.prompt_logprobs' shape
+    num_cached_tokens: int = 0   # prompt tokens found in the prefix cache (vLLM's num_cached_tokens)
 
 
 class IncrementalDetokenizer:
@@ -93,7 +98,7 @@ class CompletionTracker:
                  include_stop_str_in_output: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop = stop
-        self.include_stop_str_in_output = include_stop_str_in_output
+        self.include_stop_str_in_output = include_stop_str_in_output   # vLLM's: a stop string's or token's text stays
         self.logprobs = logprobs  # pass on the sequence's log-probabilities with its tokens
         self.hold = stop_hold_back(stop, include_stop_str_in_output)
         self.num_sent = 0
@@ -112,7 +117,11 @@ class CompletionTracker:
         self.num_sent += len(new_ids)
         finish = seq.finish_reason if seq.is_finished else None
         searched = len(self.text)
-        self.text += self.detokenizer.push(new_ids, final=finish is not None)
+        text_ids = new_ids
+        stopped_at_token = finish == "stop" and seq.stop_reason is None   # not at a stop string the engine found
+        if stopped_at_token and new_ids and not self.include_stop_str_in_output:
+            text_ids = new_ids[:-1]
+        self.text += self.detokenizer.push(text_ids, final=finish is not None)
         end = len(self.text) if finish is not None else len(self.text) - self.hold
         found = check_stop_strings(self.text, len(self.text) - searched, self.stop, self.include_stop_str_in_output)
         if found is not None:   # a stop string, perhaps straddling old and new text
@@ -126,16 +135,20 @@ class CompletionTracker:
 class _Stream:
     """One request as the loop tracks it: its engine Request, its completions, and where its outputs go."""
 
-    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted):
+    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted,
+                 prompt_logprobs=None):
         self.request_id = request_id
         self.prompt, self.params, self.lora_request = prompt, params, lora_request
         self.stop, self.fill_max_tokens = stop, fill_max_tokens
+        self.prompt_logprobs = prompt_logprobs   # make_request's: score the prompt's own tokens, N alternatives
         self.loop = loop
         self.accepted = accepted          # asyncio.Future: resolved when the engine took it, or its ValueError
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = None
         self.arrival_time: float | None = None   # engine clock, when add_request was called
         self.completions: list[CompletionTracker] = []
+        self.token_times: list[list[float]] = []   # engine clock: when each completion's tokens were appended
+        self.num_outputs = 0   # StreamOutputs sent
 
     def send(self, item) -> None:
         """From the loop's thread to the consumer's event loop (an output, or an exception to raise there)."""
@@ -164,16 +177,20 @@ class AsyncLLM:
     # ---- the asyncio side -------------------------------------------------------------------------------
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
+                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False,
+                          prompt_logprobs: int | None = None) -> _Stream:
         """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
         cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
         model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
-        plus max_tokens beyond the context is refused."""
+        plus max_tokens beyond the context is refused. A text prompt is tokenized on the loop's thread: a server
+        tokenizes it beforehand (off the loop) and passes token ids. prompt_logprobs: as make_request's. A stop
+        token's text (one of stop_token_ids') is left out of the text unless params.include_stop_str_in_output,
+        as vLLM does."""
         if self._stopped.is_set():
             raise RuntimeError("the engine loop has stopped")
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id or uuid.uuid4().hex, prompt, params, lora_request, tuple(stop),
-                         fill_max_tokens, loop, loop.create_future())
+                         fill_max_tokens, loop, loop.create_future(), prompt_logprobs)
         stream.arrival_time = self.engine.clock()   # it arrived now, though the loop may be in a step
         self._inbox.put(("add", stream))
         try:
@@ -244,7 +261,7 @@ class AsyncLLM:
                 try:
                     self.engine.step()
                 except Exception as error:   # the step was undone; nobody may wait on it forever
-                    self._fail_all(error)
+                    self._fail_running(error)
                 else:
                     news = self._collect()
             if messages or news:   # the hook first: when a client has its last token, /metrics counts it
@@ -258,6 +275,8 @@ class AsyncLLM:
             token_ids = prompt_token_ids(stream.prompt, self.engine.tokenizer)
             params = stream.params
             room = self.engine.max_model_len - len(token_ids)
+            if room < 1:   # the prompt alone: no max_tokens could help
+                self.engine.config.check_prompt(token_ids, 1)
             if stream.fill_max_tokens:   # what the context leaves, and the pool: a request must fit it whole
                 stats = self.engine.kv_stats()
                 pool_room = stats["num_blocks"] * stats["block_size"] - len(token_ids)
@@ -266,7 +285,8 @@ class AsyncLLM:
                 raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
                                  f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
                                  f"lower max_tokens to at most {max(room, 0)}")
-            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request)
+            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request,
+                                               prompt_logprobs=stream.prompt_logprobs)
             request.metrics.arrival_time = stream.arrival_time
             self.engine.add_request(request)
         except Exception as error:   # ValueError for a bad request; anything else is still this request's alone
@@ -276,6 +296,7 @@ class AsyncLLM:
         stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop + tuple(params.stop),
                                                 params.logprobs is not None, params.include_stop_str_in_output)
                               for _ in range(params.n)]
+        stream.token_times = [[] for _ in range(params.n)]
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
@@ -291,24 +312,37 @@ class AsyncLLM:
                       if d is not None]
             if not deltas:
                 continue
+            for delta in deltas:   # the tokens of one step share its time
+                stream.token_times[delta.index] += stream.request.metrics.token_times[-1:] * len(delta.token_ids)
             for completion, seq in zip(stream.completions, stream.request.seqs):
                 if completion.finish_reason == "stop" and not seq.is_finished:   # a stop string: the engine
                     self.engine.abort_sequence(request_id, seq.index)               # still holds its blocks
             done = all(c.finish_reason is not None for c in stream.completions)
-            output = StreamOutput(request_id, len(stream.request.prompt_token_ids), deltas, done)
+            request = stream.request
+            output = StreamOutput(request_id, len(request.prompt_token_ids), deltas, done,
+                                  num_cached_tokens=request.num_cached_tokens)
+            if stream.num_outputs == 0 and request.num_prompt_logprobs is not None:   # the prompt is done by now
+                output.prompt_logprobs = [None, *request.prompt_logprobs]
+            stream.num_outputs += 1
             if done:
-                metrics = stream.request.metrics
+                metrics = request.metrics
                 metrics.finished_time = metrics.finished_time or self.engine.clock()
                 output.metrics = dataclasses.replace(metrics, token_times=list(metrics.token_times))
+                output.completion_token_times = stream.token_times
                 del self._streams[request_id]
             news.append((stream, output))
         return news
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_running(self, error: BaseException) -> None:
+        """A step failed (and was undone): the requests it held are aborted with the error. Requests still in the
+        inbox did not take part in it, and are added next round."""
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             stream.send(error)
         self._streams.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_running(error)
         while True:   # requests that never reached the engine
             try:
                 kind, payload = self._inbox.get_nowait()

@@ -114,7 +114,7 @@ def _step(engine, requests, live, done, usage, beam_width) -> None:
         raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
     for request in requests:
         _record_usage(engine, live[request.request_id], usage[request.request_id])
-    logits, sampled = engine.execute(plan)
+    logits, sampled, _ = engine.execute(plan)
     logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
     row_of = {seq.seq_id: row for seq, row in sampled}
     chosen, dropped = [], []

@@ -54,31 +54,67 @@ def read_config(folder: Path, argument: str = "model"):
         raise ValueError(f"model folder {str(folder)!r} has no {CONFIG}")
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:  # an unknown model_type, malformed JSON
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:  # an unknown model_type, bad JSON
         raise ValueError(f"{CONFIG} in {str(folder)!r} cannot be read: {error}") from None
     names = getattr(config, "architectures", None) or [f"(none; model_type {config.model_type!r})"]
     return config, check_supported(names[0], config, f"{argument} {str(folder)!r}")
 
 
 def read_header(path: Path) -> tuple[int, dict]:
-    """A safetensors file's header: where the data starts, and {name: {dtype, shape, data_offsets}}."""
+    """A safetensors file's header: where the data starts, and {name: {dtype, shape, data_offsets}}, each entry
+    checked to be well formed and to lie within the file."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"its header length ({length} bytes) runs past the file's end ({size} bytes)")
             header = json.loads(f.read(length))
-    except (OSError, struct.error, ValueError) as error:
+    except (OSError, struct.error, ValueError, RecursionError) as error:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a readable safetensors file: its header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        problem = entry_problem(entry, size - 8 - length)
+        if problem is not None:
+            raise ValueError(f"{path} is not a readable safetensors file: tensor {name!r} {problem}")
     return 8 + length, header
+
+
+def entry_problem(entry, data_bytes: int) -> str | None:
+    """What is wrong with a header's entry for one tensor, given the bytes of data after the header; None if
+    nothing is."""
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(entry, dict):
+        return f"is described by {type(entry).__name__}, not a JSON object"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(entry.get("dtype"), str):
+        return f"has no dtype name (got {entry.get('dtype')!r})"
+    if not isinstance(shape, list) or not all(map(count, shape)):
+        return f"has shape {shape!r}, not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(count, offsets))
+            and offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}, not a range of bytes [begin, end]"
+    if offsets[1] > data_bytes:
+        return f"ends at byte {offsets[1]} of data, past the file's {data_bytes}: the file is truncated"
+    return None
 
 
 def weight_files(folder: Path) -> list[Path]:
     """The folder's safetensors files: the shards its index names, or its one file."""
     if (folder / INDEX).is_file():
         try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as error:
+            index = json.loads((folder / INDEX).read_text())
+        except (OSError, ValueError, RecursionError) as error:
             raise ValueError(f"{INDEX} in {str(folder)!r} is malformed: {error}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) and name and Path(name).name == name
+                                                       for name in weight_map.values()):
+            raise ValueError(f"{INDEX} in {str(folder)!r} is malformed: its weight_map must map each tensor to the "
+                             f"name of a file in the folder")
         files = [folder / name for name in sorted(set(weight_map.values()))]
     elif (folder / SINGLE_FILE).is_file():
         files = [folder / SINGLE_FILE]

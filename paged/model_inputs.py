@@ -22,27 +22,37 @@ from .sequence import Sequence
 @dataclass
 class StepInputs:
     """A step's forward-pass inputs, and the sequences whose next token is due with the first of their logits
-    rows: one row, or 1 + k for a sequence verifying k drafts."""
+    rows: one row, or 1 + k for a sequence verifying k drafts. A prompt chunk whose request asks for prompt
+    logprobs also has a row for each of its positions that predicts a prompt token (prompt_rows)."""
     input_ids: torch.Tensor           # int64 [num_tokens]
     positions: torch.Tensor           # int64 [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor      # int64 [num_rows]
     sampled: list[tuple[Sequence, int]]  # (sequence, its first row), in row order
+    prompt_rows: list[tuple[Sequence, int, int]]  # (sequence, first row, count): rows predicting prompt tokens
 
 
 def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], device: torch.device) -> StepInputs:
     """batch [(sequence, new tokens)] in the forward pass's order -> the step's inputs. A sequence's chunk runs
-    from its computed tokens on; one that reaches its last token (and its drafts) wants logits for each."""
-    chunks, sampled, num_rows = [], [], 0
+    from its computed tokens on; one that reaches its last token (and its drafts) wants logits for each, and one
+    whose request asks for prompt logprobs wants those of the positions before its last prompt token that it
+    has not scored yet (a sequence recomputed after preemption has scored them all)."""
+    chunks, sampled, prompt_rows, num_rows = [], [], [], 0
     for seq, num_new in batch:
         tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
-        end = seq.num_computed_tokens + num_new
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         num_logits = 1 + len(seq.spec_token_ids) if end == len(tokens) else 0
-        chunks.append((seq.seq_id, tokens, seq.num_computed_tokens, end, num_logits))
-        if num_logits:
-            sampled.append((seq, num_rows))
-            num_rows += num_logits
-    return StepInputs(*prepare_inputs(block_manager, chunks, device), sampled)
+        if seq.request.num_prompt_logprobs is not None:   # positions p predict prompt token p + 1
+            first = max(start, len(seq.request.prompt_logprobs))
+            num_scored = max(0, min(end, seq.num_prompt_tokens - 1) - first)
+            if num_scored:   # they run up to the chunk's end, or to the last prompt token's row
+                num_logits = end - first
+                prompt_rows.append((seq, num_rows, num_scored))
+        chunks.append((seq.seq_id, tokens, start, end, num_logits))
+        if end == len(tokens):
+            sampled.append((seq, num_rows + num_logits - 1 - len(seq.spec_token_ids)))
+        num_rows += num_logits
+    return StepInputs(*prepare_inputs(block_manager, chunks, device), sampled, prompt_rows)
 
 
 def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int], int, int, int]],

@@ -145,12 +145,14 @@ class Scheduler:
             seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
             if seats + seq.num_seats > self.max_num_seqs or not self._adapter_fits(seq):
                 break
-            hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
-            tier_hits = [] if self.prefix_tier is None else \
-                self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
-            num_cached = (len(hits) + len(tier_hits)) * self.block_manager.block_size
-            num_external = self.kv_connector.get_num_new_matched_tokens(seq.request, num_cached)
-            num_cached += num_external  # tokens whose K/V the connector loads before the step
+            hits, tier_hits, num_external = [], [], 0   # a request that skips reading the cache computes it all
+            if not seq.request.skip_reading_prefix_cache:
+                hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
+                tier_hits = [] if self.prefix_tier is None else \
+                    self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
+                num_external = self.kv_connector.get_num_new_matched_tokens(  # K/V it loads before the step
+                    seq.request, (len(hits) + len(tier_hits)) * self.block_manager.block_size)
+            num_cached = (len(hits) + len(tier_hits)) * self.block_manager.block_size + num_external
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not (self.enable_chunked_prefill or seq.num_preemptions > 0):
@@ -166,7 +168,7 @@ class Scheduler:
                 out.blocks_to_load += loads
                 out.cached_blocks += loaded
             self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
+            seq.num_computed_tokens = seq.request.num_cached_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._schedule(seq, num_new, out)

@@ -126,18 +126,25 @@ class Request:
     cache_key: object = None  # extra key mixed into prefix-cache hashes: LoRARequest.cache_key, or None
     lora_request: object = None  # the paged.lora.LoRARequest it runs under, or None for the base model (guide §16)
     kv_transfer_params: dict | None = None  # what a KV connector reads (kv_connector.py): {"do_remote_decode": True}
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: per prompt token, this many most likely others
+    skip_reading_prefix_cache: bool = False  # compute the whole prompt, even blocks the prefix cache holds
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # prompt tokens 1.., as prefilled
+    num_cached_tokens: int = 0  # prompt tokens whose K/V were found cached when it was last admitted
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
     def checkpoint(self) -> tuple:
-        """Its sequences (those forked later are dropped on restore) and metrics, for LLMEngine.transaction."""
-        return len(self.seqs), [seq.checkpoint() for seq in self.seqs], self.metrics.checkpoint()
+        """Its sequences (those forked later are dropped on restore), prompt logprobs and metrics, for
+        LLMEngine.transaction."""
+        return (len(self.seqs), [seq.checkpoint() for seq in self.seqs], len(self.prompt_logprobs),
+                self.metrics.checkpoint())
 
     def restore(self, state: tuple) -> None:
-        num_seqs, seq_states, metrics = state
+        num_seqs, seq_states, num_prompt_logprobs, metrics = state
         del self.seqs[num_seqs:]
+        del self.prompt_logprobs[num_prompt_logprobs:]
         for seq, seq_state in zip(self.seqs, seq_states):
             seq.restore(seq_state)
         self.metrics.restore(metrics)
@@ -167,3 +174,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # when asked: None, then one per prompt token

@@ -30,6 +30,9 @@ Every bad request gets HTTP 400 with OpenAI's error object {"error": {"message",
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import functools
+import hmac
 import json
 import re
 import socket
@@ -48,8 +51,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from .async_engine import AsyncLLM, StreamOutput
-from .lora import LoRARequest
+from .lora import LoRARequest, read_adapter_config
 from .sampling import Logprob, SamplingParams
+from .validation import prompt_token_ids
 
 # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -58,12 +62,26 @@ Number = StrictInt | StrictFloat
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries the usage so far
+
+
+# sampling fields this engine's sampler does not implement, with the value that leaves the logits as they are: a
+# request that sets one to anything else gets a 400 naming it, never an answer that ignored it
+NEUTRAL_SAMPLING = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_tokens": 0,
+                    "logit_bias": {}}
 
 
 class _Common(BaseModel):
     """Fields both endpoints share. Unknown fields are ignored, as OpenAI's and vLLM's servers do."""
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
+    request_id: StrictStr | None = None        # vLLM's: the response id ends with it (an X-Request-Id header wins)
+    include_stop_str_in_output: StrictBool = False   # vLLM's: keep a stop string's or stop token's text
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     n: StrictInt = 1
     temperature: Number | None = None
     top_p: Number | None = None
@@ -81,9 +99,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt]
-    max_tokens: StrictInt | None = 16
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]   # one, or a batch of several
+    max_tokens: StrictInt | None = 16          # 0 with echo: the prompt alone is scored
     logprobs: StrictInt | None = None          # the N most likely tokens at each position, besides the chosen one
+    echo: StrictBool = False                   # the prompt comes back before the completion, text and logprobs
+    prompt_logprobs: StrictInt | None = None   # vLLM's: each prompt token's logprob and its N most likely others
+    best_of: StrictInt | None = None           # completions to choose the n best from: only n itself here
 
 
 class ChatMessage(BaseModel):
@@ -99,12 +120,40 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = None      # and its N most likely alternatives (needs logprobs)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize for a text prompt."""
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+def is_json(value) -> bool:
+    """Whether value goes into a JSON answer as it is (a tokenizer's settings hold objects too)."""
+    if isinstance(value, (list, tuple)):
+        return all(map(is_json, value))
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json(v) for k, v in value.items())
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
 class BadRequest(Exception):
     """A request the server refuses with HTTP 400; param names the field at fault."""
 
     def __init__(self, message: str, param: str | None):
         super().__init__(message)
         self.message, self.param = message, param
+
+
+class EngineFailure(Exception):
+    """The engine could not take a request for a reason of its own (its loop stopped): HTTP 500."""
 
 
 def error_response(message: str, param: str | None, status: int = 400,
@@ -126,33 +175,86 @@ def field_of(message: str) -> str | None:
 # ---- log-probabilities in OpenAI's two shapes ------------------------------------------------------------------
 
 
+LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for a log-probability of -inf, which JSON cannot carry
+
+
 def token_text(token_id: int, logprob: Logprob) -> str:
     """A token as OpenAI's logprobs name it: its text, or vLLM's "token_id:N" when there is no tokenizer."""
     return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], text_offset: int) -> tuple[dict, int]:
+def top_entries(entry: dict[int, Logprob], num_top: int) -> dict[int, Logprob]:
+    """The chosen token (first) and the num_top most likely of an entry that may hold more of them."""
+    return {token_id: lp for i, (token_id, lp) in enumerate(entry.items()) if i == 0 or lp.rank <= num_top}
+
+
+def completion_logprobs(entries: list[dict[int, Logprob] | None], text_offset: int, num_top: int,
+                        first_text: str = "") -> tuple[dict, int]:
     """/v1/completions' logprobs for some tokens (an entry each: the chosen token first, then the most likely):
-    their texts, their log-probabilities, a map of each position's alternatives, and where each token's text
-    begins, counted from text_offset. Returns it and the offset after the last token."""
+    their texts, their log-probabilities, a map of each position's num_top alternatives and the chosen one, and
+    where each token's text begins, counted from text_offset. An echoed prompt's first token has no entry
+    (None): its text is first_text, its log-probability and map null. Returns it and the offset after the last
+    token."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
-        chosen_id, chosen = next(iter(entry.items()))
-        tokens.append(token_text(chosen_id, chosen))
-        token_logprobs.append(chosen.logprob)
-        top_logprobs.append({token_text(i, lp): lp.logprob for i, lp in entry.items()})
+        if entry is None:
+            tokens.append(first_text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen_id, chosen = next(iter(entry.items()))
+            tokens.append(token_text(chosen_id, chosen))
+            token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR))
+            top_logprobs.append({token_text(i, lp): max(lp.logprob, LOGPROB_FLOOR)
+                                 for i, lp in top_entries(entry, num_top).items()})
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}, text_offset
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]], num_top: int) -> dict:
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], num_top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs field: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the token and its num_top most likely alternatives."""
+    return [None if entry is None else
+            {str(token_id): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                             "decoded_token": lp.decoded_token}
+             for token_id, lp in top_entries(entry, num_top).items()}
+            for entry in entries]
+
+
+@functools.cache
+def byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which Llama 3, Qwen and SmolLM2 share), read backwards: each of its
+    256 characters -> the byte it stands for. Printable bytes stand for themselves; the others are shifted past
+    255 in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
+    """A token's own UTF-8 bytes. Its decoded text alone says U+FFFD where the token holds part of a multi-byte
+    character, so then the bytes come from the vocabulary's piece: a byte-level BPE piece (GPT-2's alphabet) or
+    a SentencePiece byte piece (<0xE2>)."""
+    if tokenizer is None or "\ufffd" not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+        return [int(piece[3:5], 16)]
+    alphabet = byte_of_char()
+    if all(char in alphabet for char in piece):
+        return [alphabet[char] for char in piece]
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], num_top: int, tokenizer=None) -> dict:
     """/v1/chat/completions' logprobs: per token its text, log-probability and UTF-8 bytes, and the num_top most
     likely tokens at its position in the same form."""
     def item(token_id: int, logprob: Logprob) -> dict:
         text = token_text(token_id, logprob)
-        return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": max(logprob.logprob, LOGPROB_FLOOR),
+                "bytes": token_bytes(tokenizer, token_id, text)}
 
     content = []
     for entry in entries:
@@ -189,8 +291,8 @@ class ServerMetrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               **labels)
         self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Mean gap between a request's output tokens", buckets=LATENCY_BUCKETS, **labels)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Each gap between two output tokens",
+                              "Mean gap between a completion's output tokens", buckets=LATENCY_BUCKETS, **labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Each gap between two tokens of a completion",
                              buckets=LATENCY_BUCKETS, **labels)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
                              buckets=LATENCY_BUCKETS, **labels)
@@ -220,11 +322,12 @@ class ServerMetrics:
             self.generation_tokens.labels(name).inc(len(m.token_times))
             if m.first_token_time is not None:
                 self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-            gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
-            for gap in gaps:
-                self.itl.labels(name).observe(gap)
-            if gaps:
-                self.tpot.labels(name).observe(sum(gaps) / len(gaps))
+            for times in output.completion_token_times:   # each completion's own gaps: n of them interleave
+                gaps = [b - a for a, b in zip(times, times[1:])]
+                for gap in gaps:
+                    self.itl.labels(name).observe(gap)
+                if gaps:
+                    self.tpot.labels(name).observe(sum(gaps) / len(gaps))
             self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
 
 
@@ -242,11 +345,44 @@ class ClosingStreamingResponse(StreamingResponse):
 # ---- the application --------------------------------------------------------------------------------------
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+MAX_BODY_BYTES = 64 * 2**20   # a request body larger than this gets a 413 before it is read
+OPEN_PATHS = ("/health", "/metrics")   # served without the API key, as in vLLM
+
+
+def host_name(host_header: str) -> str:
+    """The host of a Host header, without its port: "[::1]:8000" -> "::1", "localhost:8000" -> "localhost"."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
+
+
+def surrogate_field(value, path: str = "") -> str | None:
+    """The first field of a parsed JSON body whose text holds a lone UTF-16 surrogate ("\\ud800", which JSON may
+    carry but UTF-8 cannot), e.g. "messages[0].content"; None if there is none."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= char <= "\udfff" for char in value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        inner = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and surrogate_field(key) is not None:
+            return inner
+        if (found := surrogate_field(item, inner)) is not None:
+            return found
+    return None
+
+
 def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | None = None,
-              api_key: str | None = None) -> FastAPI:
+              api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI application serving `llm` (a paged.LLM; made with enable_lora=True if lora_modules are given)
-    under `model_name`, each adapter of lora_modules {name: folder} as a model of its own."""
+    under `model_name`, each adapter of lora_modules {name: folder} as a model of its own. allowed_hosts: the host
+    names a request's Host header may give (loopback by default, so that a web page cannot reach a server on this
+    machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
+    if model_name in lora_modules:
+        raise ValueError(f"lora_modules: the adapter name {model_name!r} is the served model's name; requests for "
+                         f"the base model would run under the adapter. Give the adapter another name")
     if lora_modules and llm.engine.lora is None:
         raise ValueError("lora_modules needs an LLM made with enable_lora=True")
     adapters = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(lora_modules.items())}
@@ -266,9 +402,19 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     app.state.metrics = metrics
 
     @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+    async def guard(request: Request, call_next):
+        """The Host header, the body's size and the API key, before anything else reads the request."""
+        host = host_name(request.headers.get("host", ""))
+        if allowed_hosts is not None and host not in allowed_hosts:
+            return error_response(f"the Host header {host!r} is not one this server answers to "
+                                  f"({', '.join(allowed_hosts)})", None, 400)
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > max_body_bytes:
+            return error_response(f"the request body ({length} bytes) is larger than this server takes "
+                                  f"({max_body_bytes} bytes)", None, 413)
+        if api_key is not None and request.url.path not in OPEN_PATHS:
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, f"Bearer {api_key}".encode()):
                 return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                                       None, 401, "authentication_error")
         return await call_next(request)
@@ -295,6 +441,10 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     async def bad_request(request: Request, error: BadRequest):
         return error_response(error.message, error.param)
 
+    @app.exception_handler(EngineFailure)
+    async def engine_failure(request: Request, error: EngineFailure):
+        return error_response(f"the engine failed: {error}", None, 500, "internal_error")
+
     @app.get("/health")
     async def health():
         running = app.state.async_llm.is_running
@@ -314,10 +464,52 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
                    "root": adapter.lora_path, "parent": model_name} for name, adapter in adapters.items()]
         return {"object": "list", "data": cards}
 
+    def need_tokenizer(route: str) -> None:
+        if tokenizer is None:
+            raise BadRequest(f"{route} needs a tokenizer, and this model is served without one", None)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        need_tokenizer("/tokenize")
+        check_text(body)
+        ids = await asyncio.to_thread(
+            lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        need_tokenizer("/detokenize")
+        vocab_size = engine.config.vocab_size
+        if not all(0 <= t < vocab_size for t in body.tokens):
+            raise BadRequest(f"tokens must lie in [0, {vocab_size}) (the model's vocabulary size)", "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        need_tokenizer("/tokenizer_info")
+        settings = {key: value for key, value in tokenizer.init_kwargs.items() if is_json(value)}
+        return {**settings, "tokenizer_class": type(tokenizer).__name__,
+                "chat_template": getattr(tokenizer, "chat_template", None)}
+
+    def check_text(body: BaseModel) -> None:
+        """A lone surrogate in any text of the body is refused, naming the field: no tokenizer takes it."""
+        field = surrogate_field(body.model_dump())
+        if field is not None:
+            raise BadRequest(f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+                             field.split(".")[0].split("[")[0])
+
     def sampling_params(body: _Common, max_tokens: int | None) -> SamplingParams:
         if body.model != model_name and body.model not in adapters:
             raise BadRequest(f"model {body.model!r} is not served here; the models are "
                              f"{[model_name, *adapters]}", "model")
+        for name, neutral in NEUTRAL_SAMPLING.items():
+            if getattr(body, name) not in (None, neutral):
+                raise BadRequest(f"{name} is not supported by this engine's sampler; leave it out or send "
+                                 f"{neutral!r}", name)
+        if getattr(body, "best_of", None) not in (None, body.n):
+            raise BadRequest(f"best_of ({body.best_of}) must equal n ({body.n}): this server returns every "
+                             f"completion it samples", "best_of")
         kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
                   "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
                   "include_stop_str_in_output": body.include_stop_str_in_output}
@@ -338,141 +530,222 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
                 raise BadRequest(str(error).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
             raise BadRequest(str(error), field) from None
 
-    async def start(body: _Common, prompt, max_tokens: int | None, request_id: str):
-        params = sampling_params(body, max_tokens)
+    async def token_ids_of(prompt, param: str) -> list[int]:
+        """A prompt's token ids; text is tokenized in a worker thread, so that a huge prompt does not stall the
+        engine loop or the event loop, and checked against the context before the engine sees it."""
+        try:
+            ids = await asyncio.to_thread(prompt_token_ids, prompt, tokenizer) if isinstance(prompt, str) else \
+                prompt_token_ids(prompt, tokenizer)
+        except ValueError as error:
+            raise BadRequest(str(error), param) from None
+        if len(ids) >= engine.max_model_len:
+            raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {engine.max_model_len} "
+                             f"(max_model_len) including at least one new token", param)
+        return ids
+
+    async def start(body: _Common, prompt: list[int], params: SamplingParams, fill_max_tokens: bool,
+                    request_id: str, param: str, prompt_logprobs: int | None = None):
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if any(not s for s in stop):
             raise BadRequest("stop strings must not be empty", "stop")
         try:
-            return params, await app.state.async_llm.add_request(
-                prompt, params, request_id, adapters.get(body.model), tuple(stop), fill_max_tokens=max_tokens is None)
+            return await app.state.async_llm.add_request(
+                prompt, params, request_id, adapters.get(body.model), tuple(stop), fill_max_tokens=fill_max_tokens,
+                prompt_logprobs=prompt_logprobs)
         except ValueError as error:
             message = str(error)
-            raise BadRequest(message, field_of(message) if not message.startswith("prompt") else
-                             ("messages" if isinstance(body, ChatCompletionRequest) else "prompt")) from None
+            raise BadRequest(message, param if message.startswith("prompt") else field_of(message)) from None
+        except Exception as error:   # not the request's fault
+            raise EngineFailure(str(error)) from None
 
-    async def collect(request: Request, stream):
-        """Every output of a non-streamed request; if the client disconnects first, the request is aborted."""
-        async def gather():
+    async def collect(request: Request, streams: list) -> list | None:
+        """Every output of each non-streamed request; if the client disconnects first, they are aborted."""
+        async def gather(stream):
             return [output async for output in app.state.async_llm.stream_outputs(stream)]
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work, watch = asyncio.create_task(gather()), asyncio.create_task(disconnected())
+        work = asyncio.gather(*map(gather, streams))
+        watch = asyncio.create_task(disconnected())
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
-            work.cancel()   # stream_outputs aborts the request as it closes
+            work.cancel()   # stream_outputs aborts each request as it closes
             with contextlib.suppress(asyncio.CancelledError):
                 await work
             return None
         watch.cancel()
         return work.result()
 
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def sse(chunk: dict) -> str:
         return f"data: {json.dumps(chunk)}\n\n"
 
-    async def respond(request: Request, body: _Common, prompt, max_tokens, chat: bool):
-        prefix = "chatcmpl" if chat else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        params, stream = await start(body, prompt, max_tokens, request_id)
-        created = int(time.time())
-        head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": body.model}
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+    def base_request_id(request: Request, body: _Common) -> str:
+        """vLLM's: the X-Request-Id header's, else the body's request_id, else a fresh one."""
+        return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
 
+    async def respond(request: Request, body: _Common, prompts: list, max_tokens: int | None, chat: bool):
+        """prompts: the request's prompts (a chat has one), as text or token ids."""
+        check_text(body)
+        base_id = base_request_id(request, body)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
+        echo = getattr(body, "echo", False)
+        if max_tokens == 0 and not echo:
+            raise BadRequest("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)", "max_tokens")
+        params = sampling_params(body, 1 if max_tokens == 0 else max_tokens)   # with 0, its token is dropped
+        keep_output = max_tokens != 0
+        num_prompt_top = [n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None)
+                          if n is not None]
+        param = "messages" if chat else "prompt"
+        token_ids = [await token_ids_of(p, param if len(prompts) == 1 else f"prompt[{i}]")
+                     for i, p in enumerate(prompts)]
+        streams = []
+        try:
+            for i, ids in enumerate(token_ids):
+                engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
+                streams.append(await start(body, ids, params, max_tokens is None, engine_id,
+                                           param if len(prompts) == 1 else f"prompt[{i}]",
+                                           max(num_prompt_top) if num_prompt_top else None))
+        except BaseException:   # one prompt of a batch refused: the others are not served either
+            for stream in streams:
+                app.state.async_llm.abort(stream.request_id)
+            raise
+        created = int(time.time())
+        head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": body.model}
+        options = body.stream_options or StreamOptions()
         text_offsets = collections.defaultdict(int)   # completions' text_offset, per choice, across chunks
 
-        def logprobs_of(index: int, entries) -> dict | None:
+        def logprobs_of(index: int, entries, prompt_entries=None, first_text: str = "") -> dict | None:
             if entries is None:
                 return None
             if chat:
-                return chat_logprobs(entries, params.logprobs)
-            shaped, text_offsets[index] = completion_logprobs(entries, text_offsets[index])
+                return chat_logprobs(entries, params.logprobs, tokenizer)
+            shaped, text_offsets[index] = completion_logprobs((prompt_entries or []) + entries, text_offsets[index],
+                                                              params.logprobs, first_text)
             return shaped
 
-        def choice(delta, first: bool) -> dict:
-            out = {"index": delta.index, "logprobs": logprobs_of(delta.index, delta.logprobs),
+        def first_token_text(i: int) -> str:
+            return tokenizer.decode(token_ids[i][:1]) if tokenizer is not None else f"token_id:{token_ids[i][0]}"
+
+        def prompt_text(i: int) -> str:
+            return prompts[i] if isinstance(prompts[i], str) else \
+                tokenizer.decode(token_ids[i]) if tokenizer is not None else ""
+
+        def choice(i: int, delta, first: bool, prompt_logprobs) -> dict:
+            """A choice for prompt i's delta; the first of each completion carries the echo and prompt_logprobs
+            (the request's, from its first output)."""
+            text = delta.text if keep_output else ""
+            entries = (delta.logprobs or []) if keep_output else []
+            prompt_entries = prompt_logprobs if first and echo else None
+            out = {"index": i * params.n + delta.index,
+                   "logprobs": logprobs_of(i * params.n + delta.index,
+                                           entries if params.logprobs is not None else None,
+                                           prompt_entries, first_token_text(i)),
                    "finish_reason": delta.finish_reason}
             if chat:
-                out["delta"] = ({"role": "assistant", "content": delta.text} if first else
-                                {"content": delta.text} if delta.text or delta.finish_reason is None else {})
+                out["delta"] = ({"role": "assistant", "content": text} if first else
+                                {"content": text} if text or delta.finish_reason is None else {})
             else:
-                out["text"] = delta.text
+                out["text"] = (prompt_text(i) if first and echo else "") + text
+                if first and getattr(body, "prompt_logprobs", None) is not None:
+                    out["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, body.prompt_logprobs)
             if body.return_token_ids:
-                out["token_ids"] = delta.token_ids
+                out["token_ids"] = delta.token_ids if keep_output else []
+                if first and not chat:
+                    out["prompt_token_ids"] = token_ids[i]
             return out
 
+        headers = {"x-request-id": base_id}
         if body.stream:
             async def events():
-                started = set()
-                num_prompt, num_out, done = 0, 0, False
+                num_prompt = num_cached = num_out = 0
                 try:
-                    async for output in app.state.async_llm.stream_outputs(stream):
-                        num_prompt = output.num_prompt_tokens
-                        num_out += sum(len(d.token_ids) for d in output.completions)
-                        choices = []
-                        for delta in output.completions:
-                            choices.append(choice(delta, delta.index not in started))
-                            started.add(delta.index)
-                        done = output.finished
-                        yield sse({**head, "choices": choices, "usage": None})
-                    if include_usage:
-                        yield sse({**head, "choices": [], "usage": usage(num_prompt, num_out)})
+                    for i, stream in enumerate(streams):
+                        started, done, prompt_logprobs = set(), False, None
+                        try:
+                            async for output in app.state.async_llm.stream_outputs(stream):
+                                prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+                                if not started:
+                                    num_prompt += output.num_prompt_tokens
+                                    num_cached += output.num_cached_tokens
+                                num_out += sum(len(d.token_ids) for d in output.completions) if keep_output else 0
+                                choices = []
+                                for delta in output.completions:
+                                    choices.append(choice(i, delta, delta.index not in started, prompt_logprobs))
+                                    started.add(delta.index)
+                                done = output.finished
+                                so_far = usage(num_prompt, num_out, num_cached) if options.continuous_usage_stats \
+                                    else None
+                                yield sse({**head, "choices": choices, "usage": so_far})
+                        finally:   # closed early: the client went away, or the engine failed
+                            if not done:
+                                for stream in streams[i:]:
+                                    app.state.async_llm.abort(stream.request_id)
+                    if options.include_usage:
+                        yield sse({**head, "choices": [], "usage": usage(num_prompt, num_out, num_cached)})
                 except Exception as error:   # the engine failed mid-answer: say so in the stream
                     yield sse({"error": {"message": f"the engine failed: {error}", "type": "internal_error",
                                          "param": None, "code": 500}})
-                finally:   # closed early: the client went away
-                    if not done:
-                        app.state.async_llm.abort(request_id)
                 yield "data: [DONE]\n\n"
-            return ClosingStreamingResponse(events(), media_type="text/event-stream")
+            return ClosingStreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
         try:
-            outputs = await collect(request, stream)
+            results = await collect(request, streams)
         except Exception as error:
             return error_response(f"the engine failed: {error}", None, 500, "internal_error")
-        if outputs is None:   # the client left; nobody reads this
+        if results is None:   # the client left; nobody reads this
             return JSONResponse({}, status_code=499)
-        texts, token_ids, logprobs, reasons = {}, {}, {}, {}
-        for output in outputs:
-            for delta in output.completions:
-                texts[delta.index] = texts.get(delta.index, "") + delta.text
-                token_ids.setdefault(delta.index, []).extend(delta.token_ids)
-                logprobs.setdefault(delta.index, []).extend(delta.logprobs or [])
-                reasons[delta.index] = delta.finish_reason or reasons.get(delta.index)
-        choices = []
-        for index in sorted(texts):
-            item = {"index": index, "logprobs": logprobs_of(index, logprobs[index] if params.logprobs is not None
-                                                            else None), "finish_reason": reasons[index]}
-            if chat:
-                item["message"] = {"role": "assistant", "content": texts[index]}
-            else:
-                item["text"] = texts[index]
-            if body.return_token_ids:
-                item["token_ids"] = token_ids[index]
-            choices.append(item)
-        return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.model, "choices": choices,
-                "usage": usage(outputs[-1].num_prompt_tokens, sum(map(len, token_ids.values())))}
+        choices, num_out = [], 0
+        for i, outputs in enumerate(results):
+            merged = {}   # completion index -> one delta holding all its deltas
+            for output in outputs:
+                for delta in output.completions:
+                    if delta.index not in merged:
+                        merged[delta.index] = dataclasses.replace(delta, token_ids=list(delta.token_ids),
+                                                                  logprobs=list(delta.logprobs or []))
+                    else:
+                        whole = merged[delta.index]
+                        whole.text += delta.text
+                        whole.token_ids += delta.token_ids
+                        whole.logprobs += delta.logprobs or []
+                        whole.finish_reason = delta.finish_reason or whole.finish_reason
+            num_out += sum(len(d.token_ids) for d in merged.values()) if keep_output else 0
+            for index in sorted(merged):
+                item = choice(i, merged[index], True, outputs[0].prompt_logprobs)
+                if chat:
+                    item["message"] = {"role": "assistant", "content": item.pop("delta")["content"]}
+                choices.append(item)
+        num_prompt = sum(outputs[-1].num_prompt_tokens for outputs in results)
+        num_cached = sum(outputs[0].num_cached_tokens for outputs in results)
+        return JSONResponse({"id": response_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": body.model, "choices": choices,
+                             "usage": usage(num_prompt, num_out, num_cached)}, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await respond(request, body, body.prompt, body.max_tokens, chat=False)
+        prompts = body.prompt
+        batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+        return await respond(request, body, prompts if batch else [prompts], body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise BadRequest("messages: this model has no chat template; use /v1/completions", "messages")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                               add_generation_prompt=True)
+        check_text(body)
+        try:
+            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
+                                                   add_generation_prompt=True)
+        except Exception as error:   # the template refused these messages (roles that must alternate, ...)
+            raise BadRequest(f"messages: the chat template refused them: {error}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, prompt, max_tokens, chat=True)
+        return await respond(request, body, [prompt], max_tokens, chat=True)
 
     return app
 
@@ -520,9 +793,11 @@ def parse_lora_modules(items: list[str]) -> dict[str, str]:
 
 
 def adapter_rank(path: str) -> int:
-    """The rank r an adapter folder's adapter_config.json declares."""
-    with open(f"{path}/adapter_config.json") as f:
-        return int(json.load(f)["r"])
+    """The rank r an adapter folder's adapter_config.json declares, the largest of its rank_pattern's too; a
+    ValueError naming the file if it is malformed."""
+    config = read_adapter_config(path)
+    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values()
+                                    if isinstance(r, int) and not isinstance(r, bool))])
 
 
 def main(args) -> None:
@@ -530,6 +805,10 @@ def main(args) -> None:
     from . import LLM
 
     lora_modules = parse_lora_modules(args.lora_modules or [])
+    served_name = args.served_model_name or args.model
+    if served_name in lora_modules:   # before the model loads
+        raise ValueError(f"--lora-modules names an adapter {served_name!r}, the served model's name; requests for "
+                         f"the base model would run under it. Give the adapter another name")
     lora_kwargs = {}
     if lora_modules:
         lora_kwargs = {"enable_lora": True, "max_loras": len(lora_modules),
@@ -538,6 +817,8 @@ def main(args) -> None:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
               device=args.device, seed=args.seed, **lora_kwargs)
-    app = build_app(llm, args.served_model_name or args.model, lora_modules, args.api_key)
-    print(f"serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    loopback = args.host in LOOPBACK_HOSTS or args.host.startswith("127.")
+    app = build_app(llm, served_name, lora_modules, args.api_key,
+                    allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)
+    print(f"serving {served_name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

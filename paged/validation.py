@@ -70,6 +70,11 @@ def prompt_token_ids(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("prompt is a string but the engine has no tokenizer; pass token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:   # a lone UTF-16 surrogate: not text any tokenizer takes
+            raise ValueError(f"prompt holds a lone UTF-16 surrogate at character {error.start}, which is not "
+                             f"text; pass valid Unicode") from None
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
