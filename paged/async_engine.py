@@ -135,12 +135,10 @@ class CompletionTracker:
 class _Stream:
     """One request as the loop tracks it: its engine Request, its completions, and where its outputs go."""
 
-    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted,
-                 prompt_logprobs=None):
+    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted):
         self.request_id = request_id
         self.prompt, self.params, self.lora_request = prompt, params, lora_request
         self.stop, self.fill_max_tokens = stop, fill_max_tokens
-        self.prompt_logprobs = prompt_logprobs   # make_request's: score the prompt's own tokens, N alternatives
         self.loop = loop
         self.accepted = accepted          # asyncio.Future: resolved when the engine took it, or its ValueError
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -177,20 +175,19 @@ class AsyncLLM:
     # ---- the asyncio side -------------------------------------------------------------------------------
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False,
-                          prompt_logprobs: int | None = None) -> _Stream:
+                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
         """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
         cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
         model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
         plus max_tokens beyond the context is refused. A text prompt is tokenized on the loop's thread: a server
-        tokenizes it beforehand (off the loop) and passes token ids. prompt_logprobs: as make_request's. A stop
+        tokenizes it beforehand (off the loop) and passes token ids. A stop
         token's text (one of stop_token_ids') is left out of the text unless params.include_stop_str_in_output,
         as vLLM does."""
         if self._stopped.is_set():
             raise RuntimeError("the engine loop has stopped")
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id or uuid.uuid4().hex, prompt, params, lora_request, tuple(stop),
-                         fill_max_tokens, loop, loop.create_future(), prompt_logprobs)
+                         fill_max_tokens, loop, loop.create_future())
         stream.arrival_time = self.engine.clock()   # it arrived now, though the loop may be in a step
         self._inbox.put(("add", stream))
         try:
@@ -285,8 +282,7 @@ class AsyncLLM:
                 raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
                                  f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
                                  f"lower max_tokens to at most {max(room, 0)}")
-            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request,
-                                               prompt_logprobs=stream.prompt_logprobs)
+            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request)
             request.metrics.arrival_time = stream.arrival_time
             self.engine.add_request(request)
         except Exception as error:   # ValueError for a bad request; anything else is still this request's alone
@@ -321,7 +317,7 @@ class AsyncLLM:
             request = stream.request
             output = StreamOutput(request_id, len(request.prompt_token_ids), deltas, done,
                                   num_cached_tokens=request.num_cached_tokens)
-            if stream.num_outputs == 0 and request.num_prompt_logprobs is not None:   # the prompt is done by now
+            if stream.num_outputs == 0 and request.params.prompt_logprobs is not None:   # the prompt is done by now
                 output.prompt_logprobs = [None, *request.prompt_logprobs]
             stream.num_outputs += 1
             if done:

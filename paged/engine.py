@@ -23,13 +23,13 @@ from .model_inputs import step_inputs
 from .block_manager import BlockManager
 from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from .geometry import KVGeometry
-from .validation import as_prompt_list, integer, prompt_token_ids, real
+from .validation import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama, default_attention_backend
 from .models import load_model
-from .sampling import MAX_LOGPROBS, SamplingParams, decode_logprobs, sample, token_logprobs
+from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .speculative import Speculator, resolve_draft
@@ -79,29 +79,18 @@ class LLMEngine:
     # ---- requests in and out ----------------------------------------------------------------------------
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     lora_request: LoRARequest | None = None, prompt_logprobs: int | None = None,
-                     skip_reading_prefix_cache: bool | None = None) -> Request:
+                     lora_request: LoRARequest | None = None) -> Request:
         """Tokenize and validate one prompt; raises ValueError and changes nothing if it cannot be served.
         With lora_request the request runs under that adapter, read and checked here the first time it is seen.
-        prompt_logprobs=N: the output's prompt_logprobs give each prompt token's log-probability given the tokens
-        before it, and the N most likely tokens there (vLLM's prompt_logprobs). Only a prefill computes those, so
-        such a request does not read the prefix cache by default (skip_reading_prefix_cache, as in vLLM); the
+        params.prompt_logprobs=N: the output's prompt_logprobs give each prompt token's log-probability given the
+        tokens before it, and the N most likely tokens there (vLLM's prompt_logprobs). Only a prefill computes those,
+        so such a request does not read the prefix cache (params.skip_reading_prefix_cache, as in vLLM); the
         blocks it fills are still cached for other requests."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
         text = prompt if isinstance(prompt, str) else None
         self.config.check_prompt(token_ids, params.max_tokens, params.n)
-        if prompt_logprobs is not None:
-            prompt_logprobs = integer("prompt_logprobs", prompt_logprobs, low=0, high=MAX_LOGPROBS)
-        if skip_reading_prefix_cache is None:
-            skip_reading_prefix_cache = prompt_logprobs is not None
-        elif not isinstance(skip_reading_prefix_cache, bool):
-            raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got "
-                             f"{skip_reading_prefix_cache!r}")
-        elif prompt_logprobs is not None and not skip_reading_prefix_cache:
-            raise ValueError("skip_reading_prefix_cache must not be False with prompt_logprobs: a prompt token "
-                             "found in the prefix cache is not computed, so it has no logits")
         if request_id is None:
             request_id = self._next_request_id()
         elif not isinstance(request_id, str):
@@ -114,8 +103,7 @@ class LLMEngine:
             self.lora.resolve(lora_request)
         return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()),
                        cache_key=lora_request.cache_key if lora_request is not None else None,
-                       lora_request=lora_request, num_prompt_logprobs=prompt_logprobs,
-                       skip_reading_prefix_cache=skip_reading_prefix_cache)
+                       lora_request=lora_request)
 
     def _next_request_id(self) -> str:
         """A fresh automatic id, skipping any a caller chose for a request still in flight."""
@@ -336,7 +324,7 @@ class LLMEngine:
             position = len(request.prompt_logprobs)     # row first_row predicts prompt token position + 1
             entries = token_logprobs(logits[first_row:first_row + count],                  # [count, vocab]
                                      request.prompt_token_ids[position + 1:position + 1 + count],
-                                     [request.num_prompt_logprobs] * count)
+                                     [request.params.prompt_logprobs] * count)
             decode_logprobs(entries, self.tokenizer)
             request.prompt_logprobs += entries
 
@@ -405,7 +393,7 @@ class LLMEngine:
                 output.cumulative_logprob = sum(entry[token].logprob
                                                 for entry, token in zip(seq.logprobs, seq.output_token_ids))
             outputs.append(output)
-        prompt_logprobs = None if request.num_prompt_logprobs is None else [None, *request.prompt_logprobs]
+        prompt_logprobs = None if request.params.prompt_logprobs is None else [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.is_finished, request.metrics, prompt_logprobs)
 

@@ -42,7 +42,7 @@ def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], 
         tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         num_logits = 1 + len(seq.spec_token_ids) if end == len(tokens) else 0
-        if seq.request.num_prompt_logprobs is not None:   # positions p predict prompt token p + 1
+        if seq.request.params.prompt_logprobs is not None:   # positions p predict prompt token p + 1
             first = max(start, len(seq.request.prompt_logprobs))
             num_scored = max(0, min(end, seq.num_prompt_tokens - 1) - first)
             if num_scored:   # they run up to the chunk's end, or to the last prompt token's row

@@ -38,6 +38,9 @@ class SamplingParams:
     stop: str | list[str] | None = None   # strings that end a completion when its text contains one (stop_strings.py)
     include_stop_str_in_output: bool = False   # the text ends after the stop string rather than before it
     logprobs: int | None = None       # per output token: its log-probability and this many most likely others
+    prompt_logprobs: int | None = None    # per prompt token: its log-probability given the tokens before it, and
+    #                                       this many most likely others (RequestOutput.prompt_logprobs)
+    skip_reading_prefix_cache: bool | None = None   # None: skip it exactly when prompt_logprobs asks for a prefill
 
     def __post_init__(self):
         self.n = integer("n", self.n, low=1)
@@ -67,9 +70,25 @@ class SamplingParams:
                              f"{self.include_stop_str_in_output!r}")
         if self.logprobs is not None:
             self.logprobs = integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got "
+                             f"{self.skip_reading_prefix_cache!r}")
+        if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
+            raise ValueError("skip_reading_prefix_cache must not be False with prompt_logprobs: a prompt token "
+                             "found in the prefix cache is not computed, so it has no logits")
         if self.greedy and self.n > 1:
             raise ValueError(f"n must be 1 with greedy sampling (temperature < {GREEDY_TEMPERATURE}): its {self.n} "
                              f"completions would all be the same; got n={self.n}")
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """skip_reading_prefix_cache; None means exactly when prompt_logprobs asks for them, since only a prefill
+        computes a prompt token's logits (vLLM's rule)."""
+        if self.skip_reading_prefix_cache is None:
+            return self.prompt_logprobs is not None
+        return self.skip_reading_prefix_cache
 
     @property
     def greedy(self) -> bool:

@@ -146,7 +146,7 @@ class Scheduler:
             if seats + seq.num_seats > self.max_num_seqs or not self._adapter_fits(seq):
                 break
             hits, tier_hits, num_external = [], [], 0   # a request that skips reading the cache computes it all
-            if not seq.request.skip_reading_prefix_cache:
+            if not seq.request.params.skips_prefix_cache:
                 hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
                 tier_hits = [] if self.prefix_tier is None else \
                     self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))

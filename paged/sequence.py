@@ -126,9 +126,8 @@ class Request:
     cache_key: object = None  # extra key mixed into prefix-cache hashes: LoRARequest.cache_key, or None
     lora_request: object = None  # the paged.lora.LoRARequest it runs under, or None for the base model (guide §16)
     kv_transfer_params: dict | None = None  # what a KV connector reads (kv_connector.py): {"do_remote_decode": True}
-    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: per prompt token, this many most likely others
-    skip_reading_prefix_cache: bool = False  # compute the whole prompt, even blocks the prefix cache holds
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # prompt tokens 1.., as prefilled
+    # (when params.prompt_logprobs asks for them)
     num_cached_tokens: int = 0  # prompt tokens whose K/V were found cached when it was last admitted
 
     @property

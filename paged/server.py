@@ -499,7 +499,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
             raise BadRequest(f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
                              field.split(".")[0].split("[")[0])
 
-    def sampling_params(body: _Common, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(body: _Common, max_tokens: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         if body.model != model_name and body.model not in adapters:
             raise BadRequest(f"model {body.model!r} is not served here; the models are "
                              f"{[model_name, *adapters]}", "model")
@@ -512,7 +512,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
                              f"completion it samples", "best_of")
         kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
                   "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
-                  "include_stop_str_in_output": body.include_stop_str_in_output}
+                  "include_stop_str_in_output": body.include_stop_str_in_output, "prompt_logprobs": prompt_logprobs}
         if isinstance(body, ChatCompletionRequest):
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -544,14 +544,13 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         return ids
 
     async def start(body: _Common, prompt: list[int], params: SamplingParams, fill_max_tokens: bool,
-                    request_id: str, param: str, prompt_logprobs: int | None = None):
+                    request_id: str, param: str):
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         if any(not s for s in stop):
             raise BadRequest("stop strings must not be empty", "stop")
         try:
             return await app.state.async_llm.add_request(
-                prompt, params, request_id, adapters.get(body.model), tuple(stop), fill_max_tokens=fill_max_tokens,
-                prompt_logprobs=prompt_logprobs)
+                prompt, params, request_id, adapters.get(body.model), tuple(stop), fill_max_tokens=fill_max_tokens)
         except ValueError as error:
             message = str(error)
             raise BadRequest(message, param if message.startswith("prompt") else field_of(message)) from None
@@ -598,10 +597,11 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         echo = getattr(body, "echo", False)
         if max_tokens == 0 and not echo:
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)", "max_tokens")
-        params = sampling_params(body, 1 if max_tokens == 0 else max_tokens)   # with 0, its token is dropped
-        keep_output = max_tokens != 0
         num_prompt_top = [n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None)
                           if n is not None]
+        params = sampling_params(body, 1 if max_tokens == 0 else max_tokens,   # with 0, its token is dropped
+                                 max(num_prompt_top) if num_prompt_top else None)
+        keep_output = max_tokens != 0
         param = "messages" if chat else "prompt"
         token_ids = [await token_ids_of(p, param if len(prompts) == 1 else f"prompt[{i}]")
                      for i, p in enumerate(prompts)]
@@ -610,8 +610,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
             for i, ids in enumerate(token_ids):
                 engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
                 streams.append(await start(body, ids, params, max_tokens is None, engine_id,
-                                           param if len(prompts) == 1 else f"prompt[{i}]",
-                                           max(num_prompt_top) if num_prompt_top else None))
+                                           param if len(prompts) == 1 else f"prompt[{i}]"))
         except BaseException:   # one prompt of a batch refused: the others are not served either
             for stream in streams:
                 app.state.async_llm.abort(stream.request_id)

@@ -3,6 +3,8 @@ the tokens before it, kept from the prefill's own logits, chunked or not, and eq
 on the same weights. A request that asks for them does not read the prefix cache, and its blocks are cached for
 the requests after it."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,7 +23,8 @@ def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 def run(engine, prompts, params, **kwargs):
     """Every prompt added at once, stepped to the end; outputs in prompt order."""
-    ids = [engine.add_request(engine.make_request(p, params, **kwargs)) for p in prompts]
+    params = dataclasses.replace(params, **kwargs)
+    ids = [engine.add_request(engine.make_request(p, params)) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         done.update((out.request_id, out) for out in engine.step())
@@ -70,7 +73,7 @@ def test_a_request_for_prompt_logprobs_skips_reading_the_prefix_cache_but_fills_
         assert [e[t].logprob for e, t in zip(entries, prompt[1:])] == pytest.approx(
             [float(reference[j, t]) for j, t in enumerate(prompt[1:])], abs=1e-4)
     with pytest.raises(ValueError, match="skip_reading_prefix_cache"):
-        engine.make_request(prompt, params, prompt_logprobs=1, skip_reading_prefix_cache=False)
+        dataclasses.replace(params, prompt_logprobs=1, skip_reading_prefix_cache=False)
     forced = run(engine, [prompt], params, skip_reading_prefix_cache=True)[0]   # may be asked for alone too
     assert engine.kv_stats()["prefix_hit_tokens"] == 32 and forced.prompt_logprobs is None
     assert_pool_empty(llm)
@@ -90,8 +93,8 @@ def test_prompt_logprobs_survive_preemption_failed_steps_and_n(tiny_model):
             raise RuntimeError("a failing step")
 
     engine.forward_observers.append(fail_sometimes)
-    ids = [engine.add_request(engine.make_request(p, SamplingParams(n=2, max_tokens=12, seed=1, ignore_eos=True),
-                                                  prompt_logprobs=2)) for p in prompts]
+    params = SamplingParams(n=2, max_tokens=12, seed=1, ignore_eos=True, prompt_logprobs=2)
+    ids = [engine.add_request(engine.make_request(p, params)) for p in prompts]
     done, num_failed = {}, 0
     while engine.has_unfinished_requests():
         try:
@@ -111,5 +114,15 @@ def test_prompt_logprobs_survive_preemption_failed_steps_and_n(tiny_model):
 def test_a_bad_prompt_logprobs_is_a_value_error_naming_it(tiny_model, value, word):
     llm = make_tiny_llm(tiny_model)
     with pytest.raises(ValueError, match=f"prompt_logprobs.*{word}"):
-        llm.engine.make_request([1, 2, 3], SamplingParams(), prompt_logprobs=value)
+        SamplingParams(prompt_logprobs=value)
     assert run(llm.engine, [[1, 2, 3]], SamplingParams(max_tokens=2), prompt_logprobs=1)[0].prompt_logprobs
+
+
+def test_llm_generate_takes_prompt_logprobs_in_its_sampling_params(tiny_model):
+    """Offline, as in vLLM: SamplingParams(prompt_logprobs=N) on LLM.generate, and the same numbers as transformers."""
+    llm = make_tiny_llm(tiny_model, enable_prefix_caching=True)
+    prompt = random_prompts(1, seed=5, low=20, high=21)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    assert_logprobs_are_transformers("generate", out.prompt_logprobs[1:], prompt[1:],
+                                     hf_prompt_logprobs(tiny_model, prompt), 1)
+    assert_pool_empty(llm)
