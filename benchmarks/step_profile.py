@@ -38,7 +38,7 @@ ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
         "aten::index_select": "K/V gather through the block tables",
         "aten::embedding": "K/V gather through the block tables",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
-        "aten::index_copy_": "K/V write into the pool",
+        "aten::index_put_": "K/V write into the pool",
     },
     "cpu": {  # paged/kernels/cpu_attention.cpp
         "paged_cpu::decode": "attention, reading K/V in place (C++ kernel)",
