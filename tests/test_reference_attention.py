@@ -5,7 +5,7 @@ vLLM V1's layout). Against the same call on contiguous copies (a dense layout) a
 import pytest
 import torch
 
-from helpers import paged_pool, random_query
+from helpers import paged_pool, random_query, require_cpu_kernel
 from paged import attention as ref
 from paged.kernels import checks, cpu
 
@@ -28,27 +28,40 @@ def strided_copies(key_cache, value_cache, layout):
     return key, value
 
 
-@pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
-def test_reference_attention_on_strided_pools(layout):
+def strided_inputs(layout):
+    """A decode batch and a prefill batch over a strided pool, and the same pool contiguous."""
     lens = [5, 16, 40, 33]
     key_cache, value_cache, tables, context_lens = paged_pool(lens, 16, 2, 64, torch.float32, seed=3, device="cpu")
     key, value = strided_copies(key_cache, value_cache, layout)
     query = random_query(len(lens), 6, 64, torch.float32, seed=3, device="cpu")
     assert checks.check_decode(query, key, value, tables, context_lens) == max(lens)  # the checks accept it
-
-    decoded = ref.decode_attention(query, key, value, tables, context_lens, 0.125)
-    assert torch.equal(decoded, ref.decode_attention(query, key_cache, value_cache, tables, context_lens, 0.125))
-    assert torch.allclose(decoded, cpu.paged_decode_attention(query, key, value, tables, context_lens, 0.125),
-                          atol=1e-5, rtol=1e-5)
-
     query_lens = torch.tensor([5, 1, 7, 33])
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
     chunk = random_query(int(query_lens.sum()), 6, 64, torch.float32, seed=4, device="cpu")
-    prefilled = ref.prefill_attention(chunk, key, value, tables, starts, context_lens, 0.125)
-    assert torch.equal(prefilled, ref.prefill_attention(chunk, key_cache, value_cache, tables, starts, context_lens,
-                                                        0.125))
-    assert torch.allclose(prefilled, cpu.paged_prefill_attention(chunk, key, value, tables, starts, context_lens,
-                                                                 0.125), atol=1e-5, rtol=1e-5)
+    decode_args = (query, key, value, tables, context_lens, 0.125)
+    prefill_args = (chunk, key, value, tables, starts, context_lens, 0.125)
+    return decode_args, prefill_args, (key_cache, value_cache)
+
+
+@pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
+def test_reference_attention_on_strided_pools(layout):
+    decode_args, prefill_args, (key_cache, value_cache) = strided_inputs(layout)
+    query, _, _, tables, context_lens, scale = decode_args
+    assert torch.equal(ref.decode_attention(*decode_args),
+                       ref.decode_attention(query, key_cache, value_cache, tables, context_lens, scale))
+    chunk, _, _, _, starts, _, _ = prefill_args
+    assert torch.equal(ref.prefill_attention(*prefill_args),
+                       ref.prefill_attention(chunk, key_cache, value_cache, tables, starts, context_lens, scale))
+
+
+@pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
+def test_reference_attention_on_strided_pools_is_the_cpu_kernels(layout):
+    require_cpu_kernel()
+    decode_args, prefill_args, _ = strided_inputs(layout)
+    assert torch.allclose(ref.decode_attention(*decode_args), cpu.paged_decode_attention(*decode_args),
+                          atol=1e-5, rtol=1e-5)
+    assert torch.allclose(ref.prefill_attention(*prefill_args), cpu.paged_prefill_attention(*prefill_args),
+                          atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
