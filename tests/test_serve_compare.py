@@ -1,0 +1,81 @@
+"""benchmarks/serve_compare.py reads the three clients' result files of `make bench-serve` into one shape (seconds),
+averages the rounds, and compares the servers rate by rate. The files here are shaped as the clients write them;
+no server runs."""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def serve_compare(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module("serve_compare")
+
+
+def vllm_bench(ttft_p99_ms, itl_p99_ms, out_tok_s, goodput, completed=20, failed=0, duration=10.0):
+    """The fields of `vllm bench serve --save-result` the comparison reads (times in ms)."""
+    saved = {"request_throughput": completed / duration, "output_throughput": out_tok_s, "request_goodput": goodput,
+             "completed": completed, "failed": failed, "duration": duration}
+    for name, p99 in (("ttft", ttft_p99_ms), ("itl", itl_p99_ms), ("tpot", 50.0), ("e2el", 5000.0)):
+        saved[f"p50_{name}_ms"], saved[f"p99_{name}_ms"] = p99 / 2, p99
+    return saved
+
+
+def guidellm(ttft_p99_ms, successful=10, duration=5.0):
+    def stats(p50, p99):
+        return {"successful": {"percentiles": {"p50": p50, "p99": p99}}}
+    metrics = {"request_totals": {"successful": successful, "errored": 1, "incomplete": 0},
+               "output_token_count": {"successful": {"total_sum": 500}},
+               "time_to_first_token_ms": stats(ttft_p99_ms / 2, ttft_p99_ms),
+               "inter_token_latency_ms": stats(40.0, 60.0), "time_per_output_token_ms": stats(45.0, 70.0),
+               "request_latency": stats(3.0, 4.0)}
+    return {"benchmarks": [{"metrics": metrics, "duration": duration}]}
+
+
+def write(folder: Path, name: str, saved: dict) -> None:
+    (folder / f"{name}.json").write_text(json.dumps(saved))
+
+
+def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_rate(serve_compare, tmp_path):
+    write(tmp_path, "paged_vllm-bench_random_1_r1", vllm_bench(1000, 200, 100, 2.0))
+    write(tmp_path, "paged_vllm-bench_random_1_r2", vllm_bench(3000, 400, 120, 1.0))
+    write(tmp_path, "vllm_vllm-bench_random_1_r1", vllm_bench(1500, 500, 100, 2.0))
+    write(tmp_path, "vllm_vllm-bench_random_1_r2", vllm_bench(1500, 500, 100, 2.0))
+    write(tmp_path, "paged_vllm-bench_random_4_r1", vllm_bench(9000, 300, 90, 0.5))
+    write(tmp_path, "vllm_vllm-bench_random_4_r1", vllm_bench(5000, 900, 110, 1.9))
+    write(tmp_path, "paged_guidellm_synthetic_2_r1", guidellm(800))
+    write(tmp_path, "paged_serve-bench_sharegpt_2_r1",
+          {"summary": {name: 1.0 for name in serve_compare.FIGURES}})
+    runs = serve_compare.read_runs(tmp_path)
+    assert len(runs) == 8
+    rows = {(r["client"], r["workload"], r["rate"], r["server"]): r for r in serve_compare.average(runs)}
+    paged = rows[("vllm-bench", "random", 1.0, "paged")]
+    assert paged["rounds"] == 2 and paged["ttft_p99"] == pytest.approx(2.0) and paged["itl_p99"] == pytest.approx(0.3)
+    assert paged["output_tok_s"] == pytest.approx(110) and paged["goodput_rps"] == pytest.approx(1.5)
+    assert paged["slo_attainment"] == pytest.approx((2.0 * 10 / 20 + 1.0 * 10 / 20) / 2)   # met / sent, per round
+    guide = rows[("guidellm", "synthetic", 2.0, "paged")]
+    assert guide["ttft_p99"] == pytest.approx(0.8) and guide["itl_p99"] == pytest.approx(0.06)
+    assert guide["throughput_rps"] == pytest.approx(2.0) and guide["output_tok_s"] == pytest.approx(100)
+    assert guide["failures"] == 1
+    compared = serve_compare.comparisons(list(rows.values()))
+    at = {c["rate"]: c for c in compared["at_rates"]}
+    assert at[1.0]["itl p99 <= vllm"] and at[1.0]["output tok/s >= vllm"]
+    assert not at[1.0]["ttft p99 <= vllm"] and not at[1.0]["goodput >= vllm"]   # 2 s against 1.5; 1.5 against 2
+    assert at[1.0]["itl p99 ratio"] == pytest.approx(0.6)
+    assert at[4.0]["itl p99 <= vllm"] and not at[4.0]["ttft p99 <= vllm"]
+    assert compared["highest_rate_90pct_slo"] == {"paged": None, "vllm": 4.0}   # 19 of 20 met at 4 req/s
+
+
+def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write(runs, "paged_vllm-bench_random_0.5_r1", vllm_bench(400, 100, 50, 0.5))
+    out = tmp_path / "serve_vs_vllm.json"
+    serve_compare.main([str(runs), "--out", str(out), "--how", "cores=0-1", "paged=python -m paged serve"])
+    saved = json.loads(out.read_text())
+    assert saved["how"] == {"cores": "0-1", "paged": "python -m paged serve"}
+    assert [r["rate"] for r in saved["summary"]] == [0.5] and len(saved["runs"]) == 1
+    assert "0.5 paged" in capsys.readouterr().out
