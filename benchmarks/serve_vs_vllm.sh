@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
-GUIDELLM=${GUIDELLM:-.venv-guidellm/bin/guidellm}   # GuideLLM's chat-completions load, where it is installed
+GUIDELLM=${GUIDELLM:-$PWD/.venv-guidellm/bin/guidellm}   # GuideLLM's chat-completions load, where it is installed
 PORT=${PORT:-8011}
 CORES=${CORES:-0-$(($(nproc) - 1))}
 RATES=${RATES:-0.25 0.5 1 2 3 4}
