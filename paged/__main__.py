@@ -6,6 +6,9 @@ generate  answers your own prompts (chat template applied) and prints the text.
 serve     an OpenAI-compatible HTTP server on 127.0.0.1:8000 (paged/server.py; --help for its options).
           All three take --model: a checkpoint folder or a model in the local Hugging Face cache (Llama,
           Mistral, Qwen2, Qwen3) instead of SmolLM2.
+worker    one rank of a tensor-parallel engine on another machine, started as torchrun starts a rank
+          (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE in the environment); rank 0 runs
+          `serve --tensor-parallel-size WORLD_SIZE` and sends it the model and every step.
 bench     runs benchmarks/throughput.py from the repository checkout (arguments pass through).
 setup     converts the bundled GGUF into the safetensors cache (done automatically on first use).
 """
@@ -115,6 +118,20 @@ def run_bench(args) -> None:
     runpy.run_path(str(script), run_name="__main__")
 
 
+def run_worker(args) -> None:
+    import os
+
+    from paged.multiproc_executor import TORCHRUN_VARIABLES, run_worker
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(f"worker needs {', '.join(missing)} in the environment, as torchrun sets them")
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 < rank < size:
+        raise ValueError(f"RANK must be in [1, WORLD_SIZE) for a worker (rank 0 runs the engine), got {rank} of "
+                         f"{size}")
+    run_worker(rank, size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
 def run_setup(args) -> None:
     from paged.models import convert_gguf_to_cache
     print(f"model cache: {convert_gguf_to_cache(force=args.force)}")
@@ -171,11 +188,16 @@ def main(argv=None) -> None:
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults["enable_prefix_caching"],
                        help="requests share the K/V of a common prompt prefix (default: on)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model across this many ranks: this process and workers it spawns, or the "
+                            "ranks a torchrun-style launcher started (`python -m paged worker`)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--device", default=None)
     serve.add_argument("--log-level", default="warning")
     bench = commands.add_parser("bench", help="throughput against transformers (see benchmarks/throughput.py)")
     bench.set_defaults(handler=run_bench)
+    worker = commands.add_parser("worker", help="one rank of a tensor-parallel engine (torchrun's environment)")
+    worker.set_defaults(handler=run_worker)
     setup = commands.add_parser("setup")
     setup.set_defaults(handler=run_setup)
     setup.add_argument("--force", action="store_true", help="convert again even if a cache exists")

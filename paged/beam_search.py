@@ -40,7 +40,7 @@ class BeamSearchOutput:
 
 def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> list[BeamSearchOutput]:
     engine.require_idle("beam_search")
-    vocab = engine.model.embed_tokens.shape[0]
+    vocab = engine.model.vocab_size
     beam_width, max_num_seqs = integer("beam_width", beam_width, low=1), engine.scheduler.max_num_seqs
     if beam_width > min(vocab // 2, max_num_seqs):
         raise ValueError(f"beam_width ({beam_width}) must be at most {min(vocab // 2, max_num_seqs)}: every beam is a "

@@ -185,6 +185,11 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
 def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, backend: str,
                     argument: str = "model") -> PagedLlama:
     """The folder's model as a PagedLlama, its weights read once into the engine's layout."""
+    return PagedLlama.from_weights(*read_checkpoint(folder, device, dtype, argument), backend)
+
+
+def read_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, argument: str = "model"):
+    """(config, architecture, ModelWeights, rotary module): what PagedLlama.from_weights makes a model of."""
     from tqdm.auto import tqdm
     config, arch = read_config(folder, argument)
     files = weight_files(folder)
@@ -224,7 +229,7 @@ def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, back
     weights = ModelWeights(embed, tensors.pop("final_norm"), tensors.pop("lm_head", embed), layers)
     module, _, class_name = arch.rotary.rpartition(".")
     rotary = getattr(importlib.import_module(module), class_name)(config).to(device)  # fp32, as transformers keeps it
-    return PagedLlama.from_weights(config, arch, weights, rotary, backend)
+    return config, arch, weights, rotary
 
 
 def load_tokenizer(folder: Path):

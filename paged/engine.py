@@ -23,13 +23,15 @@ from tqdm.auto import tqdm
 from .model_inputs import step_inputs
 from .block_manager import BlockManager
 from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
-from .geometry import KVGeometry
+from .geometry import KVGeometry, dtype_bytes
 from .validation import as_prompt_list, prompt_token_ids, real
 from .kv_cache import KVCache
 from .kv_connector import KVConnector
 from .lora import LoRAManager, LoRARequest
 from .model import PagedLlama, default_attention_backend
-from .models import load_model
+from .models import load_model, model_config
+from .multiproc_executor import MultiprocExecutor, Worker
+from .tensor_parallel import check_tensor_parallel
 from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
@@ -40,10 +42,12 @@ from .stop_strings import check_stop_strings
 class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
                  clock=time.perf_counter, draft_model: PagedLlama | None = None,
-                 kv_connector: KVConnector | None = None, **settings):
+                 kv_connector: KVConnector | None = None, executor=None, **settings):
         """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
         draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it).
-        kv_connector: where K/V come from or go to besides this pool (kv_connector.py; None: nowhere)."""
+        kv_connector: where K/V come from or go to besides this pool (kv_connector.py; None: nowhere).
+        executor: the other ranks of a tensor-parallel model (multiproc_executor.py), model being rank 0's shard:
+        each step is sent to them, and their pools hold as many blocks as this one."""
         if config is None:
             config = EngineConfig(**settings)
         elif settings:
@@ -51,7 +55,7 @@ class LLMEngine:
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = pool_blocks(model, config.kv_cache_memory, config.block_size)
-        self.config = config = config.for_model(model.max_position, model.embed_tokens.shape[0],
+        self.config = config = config.for_model(model.max_position, model.vocab_size,
                                                 eos_token_ids(model.config), num_blocks)
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
@@ -77,6 +81,10 @@ class LLMEngine:
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
         self.speculator = None if config.speculative is None else \
             Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
+        self.executor = executor
+        if executor is not None:
+            executor.local_worker = Worker(executor.group, model, self.kv_cache)
+            executor.initialize_cache(num_blocks, config.block_size)
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
@@ -149,6 +157,11 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=value)
         self.scheduler.config = self.config
         self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
+
+    def check_health(self) -> None:
+        """A RuntimeError saying why, if the engine can no longer run a step (a tensor-parallel worker died)."""
+        if self.executor is not None:
+            self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -365,12 +378,14 @@ class LLMEngine:
             _, lora_batch = self.lora.prepare_step(plan.batch, self.scheduler.running)
         inputs = step_inputs(self.block_manager, plan.batch, self.device)
         self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
-        self.apply_copies(plan)
-        self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
-        started = time.perf_counter()
-        logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
-                                    inputs.logits_indices, lora=lora_batch)
-        self.last_forward_time = time.perf_counter() - started
+        with contextlib.nullcontext() if self.executor is None else \
+                self.executor.execute_model(inputs, plan.blocks_to_copy):   # the other ranks run the same step
+            self.apply_copies(plan)
+            self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
+            started = time.perf_counter()
+            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                                        inputs.logits_indices, lora=lora_batch)
+            self.last_forward_time = time.perf_counter() - started
         if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
             self.prefix_tier.store(plan.cached_blocks)
         return logits, inputs.sampled, inputs.prompt_rows
@@ -455,6 +470,18 @@ class LLMEngine:
         }
 
 
+def check_tensor_parallel_settings(config: EngineConfig, kv_connector) -> None:
+    """The features a tensor-parallel engine does not run, refused by name: each keeps K/V or weights of its own
+    (a draft model, adapters, tiers, a connector) that would have to be split across the ranks as well."""
+    refused = {"speculative_config": config.speculative is not None, "enable_lora": config.enable_lora,
+               "preemption_mode='swap'": config.preemption_mode == "swap",
+               "kv_offloading_size": config.kv_offloading_size is not None, "kv_connector": kv_connector is not None}
+    for name, given in refused.items():
+        if given:
+            raise ValueError(f"{name} cannot be used with tensor_parallel_size > 1: the engine splits only the "
+                             f"model and its KV pool across ranks")
+
+
 def eos_token_ids(config) -> frozenset[int]:
     """The config's end-of-sequence token ids: one id, a list of them (Llama 3 has several), or none."""
     eos = getattr(config, "eos_token_id", None)
@@ -464,8 +491,9 @@ def eos_token_ids(config) -> frozenset[int]:
 
 
 def pool_blocks(model: PagedLlama, kv_cache_memory, block_size) -> int:
-    """How many blocks kv_cache_memory bytes of K/V pool hold for this model."""
-    geometry = KVGeometry.from_config(model.config, model.dtype)
+    """How many blocks kv_cache_memory bytes of K/V pool hold for this model (for one rank's shard: its KV heads)."""
+    geometry = KVGeometry(num_layers=len(model.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                          element_bytes=dtype_bytes(model.dtype), num_attention_heads=model.num_heads)
     budget = real("kv_cache_memory", kv_cache_memory)
     block_bytes = geometry.block_bytes(block_size)
     if budget < block_bytes:
@@ -485,6 +513,8 @@ class LLM:
     KV offload (guide §15, `offload.py`): `preemption_mode="swap"` with `swap_space` GiB of swap tier;
     `kv_offloading_size` GiB of tier for the prefix cache; `kv_offload_dir`: a folder for both tiers as
     memory-mapped files (a disk tier) instead of host memory, files of this engine's own (kv_offload_files()).
+    `tensor_parallel_size=N` splits the model across N ranks, this process and N - 1 workers
+    (tensor_parallel.py, multiproc_executor.py); kv_cache_memory and num_blocks are then per rank.
     """
 
     def __init__(self, model="smollm2", tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
@@ -495,7 +525,7 @@ class LLM:
                  speculative_config: dict | None = None, swap_space: float = 1.0,
                  kv_offloading_size: float | None = None, kv_offload_dir: str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 config: EngineConfig | None = None, kv_connector=None):
+                 config: EngineConfig | None = None, kv_connector=None, tensor_parallel_size: int = 1):
         """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords.
         kv_connector: a KVProducer or KVConsumer (kv_connector.py), as disaggregation's workers use."""
         arguments = locals()
@@ -503,12 +533,36 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(config.seed)
         backend = attention_backend or default_attention_backend(device)
-        target, tokenizer = load_model(model, tokenizer, device, dtype, backend)
-        draft = None
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            draft = resolve_draft(config.speculative, target, backend)
-        self.engine = LLMEngine(target, tokenizer, config, draft_model=draft, kv_connector=kv_connector)
+        executor = None
+        if tensor_parallel_size != 1:
+            check_tensor_parallel_settings(config, kv_connector)
+            check_tensor_parallel(model_config(model), tensor_parallel_size)
+            executor = MultiprocExecutor.start(tensor_parallel_size, model, dtype, device, backend)
+        try:
+            target, tokenizer = load_model(model, tokenizer, device, dtype, backend,
+                                           tensor_parallel=None if executor is None else executor.group)
+            draft = None
+            if config.speculative is not None and config.speculative.method == "draft_model":
+                draft = resolve_draft(config.speculative, target, backend)
+            self.engine = LLMEngine(target, tokenizer, config, draft_model=draft, kv_connector=kv_connector,
+                                    executor=executor)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
         self.tokenizer = tokenizer
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Every rank's answer to its Worker's `method` (multiproc_executor.Worker: "kv_cache_info", ...), rank
+        0's first, as vLLM's collective_rpc; needs tensor_parallel_size > 1."""
+        if self.engine.executor is None:
+            raise ValueError("collective_rpc needs an LLM made with tensor_parallel_size > 1")
+        return self.engine.executor.collective_rpc(method, args)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they stop anyway when the LLM is collected or Python exits)."""
+        if self.engine.executor is not None:
+            self.engine.executor.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list | None = None) -> list[RequestOutput]:

@@ -246,7 +246,7 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
         raise ValueError(f"prompts has {len(prompts)} entries for {len(trace)} trace requests")
     arrivals = [r.arrival_time for r in trace] if rate is None else poisson_arrivals(len(trace), rate, seed).tolist()
     pending = deque(sorted(range(len(trace)), key=lambda i: arrivals[i]))
-    vocab_size = engine.model.embed_tokens.shape[0]
+    vocab_size = engine.model.vocab_size
     now = SimulatedClock() if clock == "simulated" else WallClock()
     saved_clock, engine.clock = engine.clock, now
     live, token_times, outputs, steps = {}, {}, {}, []

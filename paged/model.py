@@ -238,16 +238,25 @@ class PagedLlama:
 
     @classmethod
     def from_weights(cls, config, arch: Architecture, weights: ModelWeights, rotary_emb,
-                     backend: str = "torch") -> "PagedLlama":
-        """rotary_emb: transformers' rotary module for this config (it gives the cos and sin tables)."""
+                     backend: str = "torch", tensor_parallel=None) -> "PagedLlama":
+        """rotary_emb: transformers' rotary module for this config (it gives the cos and sin tables).
+        tensor_parallel: this rank's TensorParallelGroup (tensor_parallel.py), whose shard the weights already are;
+        the forward pass then adds the ranks' partial sums and gathers their logits."""
         model = cls.__new__(cls)
-        model._setup(config, arch, weights, rotary_emb, backend)
+        model._setup(config, arch, weights, rotary_emb, backend, tensor_parallel)
         return model
 
-    def _setup(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, backend: str) -> None:
+    def _setup(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, backend: str,
+               tensor_parallel=None) -> None:
         self.config, self.arch = config, arch
+        self.tp = tensor_parallel
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.vocab_size = weights.embed_tokens.shape[0]
+        if tensor_parallel is not None:   # this rank's heads and vocabulary
+            shard = tensor_parallel.shard
+            self.num_heads, self.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+            self.vocab_size = shard.vocab_size
         self.head_dim = head_dim(config)
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
@@ -281,7 +290,10 @@ class PagedLlama:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # Row lookups go through F.embedding: on a CPU, advanced indexing (tensor[ids]) can be many times slower.
         cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.signed_sin)  # [tokens, head_dim]
-        hidden = F.embedding(input_ids, self.embed_tokens)                          # [num_tokens, hidden]
+        if self.tp is None:
+            hidden = F.embedding(input_ids, self.embed_tokens)                      # [num_tokens, hidden]
+        else:   # each rank looks up the tokens of its slice of the vocabulary; one all-reduce adds them
+            hidden = self.tp.embed(input_ids, self.embed_tokens)
         delta = None        # what the last sublayer adds to the residual stream, added as the next norm reads it
         for index, layer in enumerate(self.layers):
             x = self.backend.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
@@ -295,13 +307,18 @@ class PagedLlama:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
-            delta = project(out.view(num_tokens, q_size), layer.o, lora, index, "o")
+            delta = self._reduce(project(out.view(num_tokens, q_size), layer.o, lora, index, "o"))
             x = self.backend.add_rms_norm(hidden, delta, layer.post_norm, self.eps)
             act = self.backend.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
-            delta = project(act, layer.down, lora, index, "down")
+            delta = self._reduce(project(act, layer.down, lora, index, "down"))
         hidden += delta
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
-        return linear(last, self.lm_head).float()                           # [num_logits, vocab]
+        logits = linear(last, self.lm_head)                                 # [num_logits, vocab (this rank's)]
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()   # [num_logits, vocab]
+
+    def _reduce(self, delta: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial sums [num_tokens, hidden] added over the ranks (tensor parallel)."""
+        return delta if self.tp is None else self.tp.all_reduce(delta)
 
     def _attention(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""

@@ -94,33 +94,61 @@ def load_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device
 
 
 def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None, backend: str,
-               argument: str = "model", with_tokenizer: bool = True):
+               argument: str = "model", with_tokenizer: bool = True, tensor_parallel=None):
     """(PagedLlama, tokenizer) for `model`: "smollm2", a transformers model object of a supported architecture
     (its tokenizer is the one given), a checkpoint folder or the name of a model in the local Hugging Face cache
     (the tokenizer given, else the folder's, unless with_tokenizer is False: a draft model). dtype None: bf16 on
     a GPU (a checkpoint's own dtype there), else fp32.
+    tensor_parallel: a rank's TensorParallelGroup (tensor_parallel.py); the model is then that rank's shard.
     The PagedLlama's `source` says where it came from, so that a draft of the same model can share its weights."""
-    from .model import PagedLlama, check_model
+    from .model import PagedLlama, check_model, module_weights
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(model, str) and model == MODEL_NAME:
         hf_model, tokenizer = load_hf_model(dtype=dtype or default, device=device)
-        target, source = PagedLlama(hf_model, backend), MODEL_NAME
+        arch, source = check_model(hf_model, argument), MODEL_NAME
+        parts = hf_model.config, arch, module_weights(hf_model, arch), hf_model.model.rotary_emb
     elif isinstance(model, torch.nn.Module) and hasattr(model, "config"):
-        check_model(model, argument)  # another architecture is refused by name
-        target, source = PagedLlama(model.to(device=device, dtype=dtype or default).eval(), backend), model
+        arch, source = check_model(model, argument), model  # another architecture is refused by name
+        hf_model = model.to(device=device, dtype=dtype or default).eval()
+        parts = hf_model.config, arch, module_weights(hf_model, arch), hf_model.model.rotary_emb
     elif isinstance(model, (str, os.PathLike)):
-        from .checkpoints import checkpoint_dtype, load_checkpoint, load_tokenizer, read_config, resolve_folder
+        from .checkpoints import checkpoint_dtype, load_tokenizer, read_checkpoint, read_config, resolve_folder
         folder = resolve_folder(os.fspath(model), argument)
         read_config(folder, argument)  # a bad config fails before the tokenizer and the weights are read
         if tokenizer is None and with_tokenizer:
             tokenizer = load_tokenizer(folder)
         dtype = dtype or (checkpoint_dtype(folder) if device.type == "cuda" else torch.float32)
-        target, source = load_checkpoint(folder, device, dtype, backend, argument), str(folder.resolve())
+        parts, source = read_checkpoint(folder, device, dtype, argument), str(folder.resolve())
     else:
-        raise ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
-                         f"the local Hugging Face cache, or a transformers model object, got {model!r}")
+        raise not_a_model(model, argument)
+    config, arch, weights, rotary = parts
+    if tensor_parallel is not None:
+        from .tensor_parallel import check_tensor_parallel, plan_shard, shard_weights
+        check_tensor_parallel(config, tensor_parallel.size)
+        tensor_parallel.shard = plan_shard(config, weights.embed_tokens.shape[0], tensor_parallel.rank,
+                                           tensor_parallel.size)
+        weights = shard_weights(weights, config, tensor_parallel.shard)
+    target = PagedLlama.from_weights(config, arch, weights, rotary, backend, tensor_parallel)
     target.source = source
     return target, tokenizer
+
+
+def model_config(model, argument: str = "model"):
+    """The transformers config of `model` (as load_model takes it), read without its weights."""
+    if isinstance(model, str) and model == MODEL_NAME:
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(convert_gguf_to_cache())
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        return model.config
+    if isinstance(model, (str, os.PathLike)):
+        from .checkpoints import read_config, resolve_folder
+        return read_config(resolve_folder(os.fspath(model), argument), argument)[0]
+    raise not_a_model(model, argument)
+
+
+def not_a_model(model, argument: str) -> ValueError:
+    return ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
+                      f"the local Hugging Face cache, or a transformers model object, got {model!r}")
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:

@@ -83,7 +83,7 @@ def measure_swap_and_recompute(llm, lengths, tiers, repeats: int = 1) -> dict:
     manager = engine.block_manager
     results = {"recompute": []} | {name: [] for name in tiers}
     generator = torch.Generator().manual_seed(0)
-    vocab = engine.model.embed_tokens.shape[0]
+    vocab = engine.model.vocab_size
     llm.generate([[1] * 8], SamplingParams(max_tokens=1), use_tqdm=False)  # warm up: nothing measured runs first
     for n in lengths:
         prompt = torch.randint(0, vocab, (n,), generator=generator).tolist()

@@ -461,9 +461,12 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
 
     @app.get("/health")
     async def health():
-        running = app.state.async_llm.is_running
-        return JSONResponse({} if running else {"error": "the engine loop has stopped"},
-                            status_code=200 if running else 503)
+        problem = None if app.state.async_llm.is_running else "the engine loop has stopped"
+        try:
+            llm.engine.check_health()
+        except RuntimeError as error:   # a tensor-parallel worker died
+            problem = str(error)
+        return JSONResponse({"error": problem} if problem else {}, status_code=503 if problem else 200)
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -856,7 +859,7 @@ def main(args) -> None:
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_chunked_prefill=args.enable_chunked_prefill,
                              enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed,
-                             **lora_kwargs)
+                             tensor_parallel_size=args.tensor_parallel_size, **lora_kwargs)
     if sized is not None:
         print(f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
               f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)", flush=True)
@@ -864,4 +867,7 @@ def main(args) -> None:
     app = build_app(llm, served_name, lora_modules, args.api_key,
                     allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)
     print(f"serving {served_name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()

@@ -145,7 +145,7 @@ def beam_search_rows(llm, model: str, traces: dict[str, list[TraceRequest]], wid
                      seed: int = 0) -> list[dict]:
     """One row of the savings table per (trace, beam width): llm's beam search over random-token prompts with the
     trace's input lengths, each for its request's output length. model names llm's model in the table."""
-    vocab_size = llm.engine.model.embed_tokens.shape[0]
+    vocab_size = llm.engine.model.vocab_size
     rows = []
     for name, trace in traces.items():
         prompts, output_lens = trace_prompts(trace, vocab_size, seed), [r.output_len for r in trace]
