@@ -7,7 +7,13 @@ left, renormalised (`apply_top_k_top_p_pytorch` in vllm/v1/sample/ops/topk_topp_
 ask for (top_k 0 or -1, top_p 1, min_p 0) leaves every probability of that row exactly as it was.
 
 One call samples the next token of every sequence in the step. Rows that ask for a seed draw from their own
-generator, so their text does not depend on which other requests share the batch. A request with `logprobs` also
+generator, seeded with seed + i for completion i, and draw from it exactly once per output position: position p's
+token is argmax(probs / E_p), E_p the generator's p-th vector of Exp(1) noise over the vocabulary (`seeded_token`).
+That is the exponential race, Gumbel-max in other clothes (argmax(log probs - log E_p), and -log E is Gumbel), an
+exact sample of probs; it is also what torch.multinomial(probs, 1) computes, so the tokens are the ones a plain
+multinomial draw gives. A seeded completion's text is thus a function of its seed, its index and the model: not of
+which other requests share the batch, of preemptions, or of speculative decoding, whose verify draws the same noise
+position by position (`rejection_sampler.seeded_accept`, guide §14). A request with `logprobs` also
 gets each sampled token's log-probability and its `logprobs` most likely alternatives (`token_logprobs`), taken, as
 vLLM does by default, from the model's raw logits: before temperature, top-k or top-p reshape them.
 """
@@ -185,9 +191,24 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return best_chunk * chunk + within
 
 
+def exponential_noise(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A seeded sequence's noise for its next output position: Exp(1) per token, drawn from its generator.
+    probs [vocab] -> noise [vocab], of probs' dtype and device. One draw per position, always of this shape: the
+    draw is a function of the generator's state and the shape, so position p's noise is the p-th draw."""
+    return torch.empty_like(probs).exponential_(generator=generator)
+
+
+def seeded_token(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """The token of the exponential race: argmax(probs / noise), probs [vocab], noise [vocab] from exponential_noise.
+    P(token = x) = probs[x], exactly: of independent exponential clocks with rates probs (ringing at noise / probs),
+    x rings first with probability probs[x]."""
+    return int((probs / noise).argmax())
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> list[int]:
-    """logits [rows, vocab] fp32, one row per sequence; returns one token id per row."""
+    """logits [rows, vocab] fp32, one row per sequence; returns one token id per row. Unseeded rows share
+    default_generator in one multinomial draw; a seeded row draws its position's noise from its own generator."""
     tokens = greedy_tokens(logits)                                              # [rows]; right for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -200,5 +221,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             tokens[rows[shared]] = picked
         for j, i in enumerate(random_rows):
             if generators[i] is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+                tokens[i] = seeded_token(probs[j], exponential_noise(probs[j], generators[i]))
     return tokens.tolist()

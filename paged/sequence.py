@@ -32,10 +32,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None    # "stop" (EOS, a stop token or a stop string), "length" or "abort"
         self.stop_reason: str | None = None      # the stop string that ended it (params.stop), if one did
-        self.generator = generator
+        self.generator = generator               # seeded: its n-th draw is output position n's noise (sampling.py)
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] draft's q, when sampled
+        #                                                     with the engine's generator (no seed)
         self.logprobs: list[dict[int, Logprob]] = []  # one per output token, when params.logprobs asks for them
 
     @property
@@ -65,8 +66,8 @@ class Sequence:
 
     def checkpoint(self) -> tuple:
         """What an undone engine step puts back (LLMEngine.transaction). A step only appends to token_ids and
-        logprobs, so their counts are enough; a seeded generator's state is kept too, so a sample drawn is drawn
-        again."""
+        logprobs, so their counts are enough; a seeded generator's state is kept too: it has drawn one noise per
+        output token, so after the undone step it draws the same positions' noise again."""
         return (len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status, self.finish_reason,
                 self.stop_reason, self.num_preemptions, list(self.spec_token_ids), self.spec_draft_probs,
                 None if self.generator is None else self.generator.get_state())

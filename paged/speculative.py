@@ -12,9 +12,12 @@ A step with speculation:
      the scheduler trims the drafts when the budget is short and drops them when the pool has no room;
   3. verify: the target runs the last real token and the drafts as one prefill-shaped chunk over the paged cache,
      in the same forward pass as the sequences without drafts, writing every draft's K/V into the sequence's blocks;
-  4. accept (`rejection_sampler.py`): 1..k + 1 tokens are appended. The sequence rolls back over the rejected
-     drafts (`num_computed_tokens`), and blocks holding only rejected tokens go back to the pool at once
-     (`BlockManager.truncate`). The prefix cache only ever registers blocks full of accepted tokens.
+  4. accept (`rejection_sampler.py`): 1..k + 1 tokens are appended. Greedy and seeded rows keep the drafts equal to
+     the token plain decoding picks at their position (a seeded row with that position's noise), so their tokens do
+     not depend on the drafts, hence not on the pool or the batch; unseeded rows use rejection sampling. The
+     sequence rolls back over the rejected drafts (`num_computed_tokens`), and blocks holding only rejected tokens
+     go back to the pool at once (`BlockManager.truncate`). The prefix cache only ever registers blocks full of
+     accepted tokens.
 
 Proposers:
   - ngram (prompt lookup): find the last n tokens (n from prompt_lookup_max down to prompt_lookup_min) earlier in
@@ -24,7 +27,8 @@ Proposers:
     target's. The target's own model as its draft ("smollm2" for the bundled model, the same folder, the same
     object) is the target itself, sharing its weights: every greedy draft must be accepted. `draft_layers: L`
     keeps only the draft's first L layers, with its final norm and head: an early-exit self-draft, L / num_layers
-    of the cost, untrained.
+    of the cost, untrained. A seeded sequence's draft samples with the noise the target will draw at each
+    position (coupled drafting): from a copy of the sequence's generator, which the draft does not move on.
 """
 
 import copy
@@ -39,8 +43,8 @@ from .block_manager import AllocStatus, BlockManager
 from .validation import integer
 from .kv_cache import KVCache
 from .model import PagedLlama
-from .rejection_sampler import greedy_accept, rejection_sample
-from .sampling import filter_logits, filter_params, greedy_tokens
+from .rejection_sampler import greedy_accept, rejection_sample, seeded_accept
+from .sampling import exponential_noise, filter_logits, filter_params, greedy_tokens, seeded_token
 
 MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
@@ -139,7 +143,9 @@ class DraftModelProposer:
         self._saved = None                      # in a transaction: num_computed as it was
 
     def propose(self, seqs, lengths: list[int], default_generator) -> None:
-        """Sets seq.spec_token_ids (and spec_draft_probs for sampled rows) for each seq, up to lengths[i] tokens."""
+        """Sets seq.spec_token_ids (and spec_draft_probs for unseeded sampled rows) for each seq, up to lengths[i]
+        tokens. A seeded row's draft j is the exponential race over q_j with the noise of the target's j-th next
+        position, drawn from a copy of its generator (coupled drafting; rejection_sampler.seeded_accept)."""
         active = []
         for seq, k in zip(seqs, lengths):
             # K/V for the real tokens and drafts 1..k-1 (draft k is proposed, never fed)
@@ -148,6 +154,7 @@ class DraftModelProposer:
                 active.append((seq, k))
         drafts = {seq.seq_id: [] for seq, _ in active}
         probs = {seq.seq_id: [] for seq, _ in active}
+        lookahead = {seq.seq_id: copy_generator(seq.generator) for seq, _ in active if seq.generator is not None}
         for j in range(max((k for _, k in active), default=0)):
             chunks, order = [], []
             for seq, k in active:
@@ -168,8 +175,11 @@ class DraftModelProposer:
                     token = greedy[row]
                 else:
                     q = filtered_probs(logits[row:row + 1], params)[0]                           # [vocab]
-                    token = int(torch.multinomial(q, 1, generator=seq.generator or default_generator))
-                    probs[seq.seq_id].append(q)
+                    if seq.seq_id in lookahead:
+                        token = seeded_token(q, exponential_noise(q, lookahead[seq.seq_id]))
+                    else:
+                        token = int(torch.multinomial(q, 1, generator=default_generator))
+                        probs[seq.seq_id].append(q)
                 drafts[seq.seq_id].append(token)
         for seq, _ in active:
             seq.spec_token_ids = drafts[seq.seq_id]
@@ -198,6 +208,13 @@ class DraftModelProposer:
         for seq_id in lost:
             self.block_manager.free(seq_id)
             self.num_computed.pop(seq_id, None)
+
+
+def copy_generator(generator: torch.Generator) -> torch.Generator:
+    """A generator in generator's state, to draw ahead from without moving generator on."""
+    copied = torch.Generator(device=generator.device)
+    copied.set_state(generator.get_state())
+    return copied
 
 
 def filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -243,13 +260,15 @@ class Speculator:
 
     def verify(self, seq, logits: torch.Tensor, default_generator) -> list[int]:
         """logits [1 + k, vocab]: the target's rows for seq's last real token and its k drafts.
-        Returns the 1..k + 1 tokens to append."""
+        Returns the 1..k + 1 tokens to append: greedy and seeded rows exactly plain decoding's, unseeded sampled
+        rows by rejection sampling with the engine's generator."""
         drafts = seq.spec_token_ids
         if seq.params.greedy:
             return greedy_accept(greedy_tokens(logits).tolist(), drafts)
+        if seq.generator is not None:
+            return seeded_accept(filtered_probs(logits, seq.params), drafts, seq.generator)
         draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[:len(drafts)]
-        return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs,
-                                seq.generator or default_generator)
+        return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs, default_generator)
 
     def record(self, seq, tokens: list[int]) -> None:
         """Count a verify of seq's drafts that appends tokens."""
