@@ -25,6 +25,7 @@ KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 H100_SXM_BANDWIDTH = 3.35e12      # bytes/s, HBM3, NVIDIA H100 SXM datasheet
 H100_SXM_BF16_FLOPS = 989.4e12    # FLOP/s, dense bf16 tensor cores, same datasheet
 LLAMA3_70B_PARAMS = 70.6e9        # weights of Llama-3-70B, embeddings included
+H100_MEMORY = 81_559 * MiB        # an "80 GB" H100 as NVML (nvidia-smi) reports it: 81,559 MiB = 79.6 GiB = 85.5 GB
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

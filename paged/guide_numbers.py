@@ -21,14 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from paged.fragmentation import four_request_example
-from paged.geometry import (H100_SXM_BANDWIDTH, H100_SXM_BF16_FLOPS, GiB, KiB, LLAMA3_70B_PARAMS, MiB, KVGeometry,
-                            block_table_bytes, decode_step_flops_per_byte, read_time_s, worked_example)
+from paged.geometry import (H100_MEMORY, H100_SXM_BANDWIDTH, H100_SXM_BF16_FLOPS, GiB, KiB, LLAMA3_70B_PARAMS, MiB,
+                            KVGeometry, block_table_bytes, decode_step_flops_per_byte, read_time_s, worked_example)
 from paged.metrics import RequestRecord
 from paged.speculative_cost import expected_tokens
 from paged.traces import sharegpt_trace
 
 GB = 1e9
-H100_MEMORY = 81_559 * MiB   # an "80 GB" H100 as NVML (nvidia-smi) reports it: 81,559 MiB = 79.6 GiB = 85.5 GB
 PAPER_KV_IN_USE = (0.204, 0.382)       # vLLM paper, Fig. 2: share of reserved KV memory holding tokens, old systems
 VLLM_V1_PREFIX_CACHING_DEFAULT = True   # vllm/config/cache.py, CacheConfig.enable_prefix_caching (chapter 12)
 BELADY_REFERENCES = (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)   # the reference string of Belady, Nelson and Shedler (1969)

@@ -20,6 +20,8 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch13_serving                   §13     a streamed answer timed by the engine and the client, its tokens'
                                            log-probabilities, a server under load, its steps by scheduling
                                            policy, two servers against the request rate
+    ch14_parallel                  §1, §8  one block table over N ranks' pools of KV heads, an all-reduce's
+                                           time against its bytes, a step's time against the parallel size
 """
 
 from paged.viz.ch01_kv_cache import (decode_intensity_series, plot_decode_intensity, plot_request_bytes,
@@ -49,4 +51,5 @@ from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour
                                        slot_player, slot_replay, slot_snapshot_html, token_indices_html)
 from paged.viz.ch13_serving import (plot_load, plot_servers_by_rate, plot_step_trace, plot_stream_timing,
                                     plot_token_logprobs, stream_timing_series)
+from paged.viz.ch14_parallel import draw_shared_block_table, plot_all_reduce, plot_tp_step_time, shared_table_layout
 from paged.viz.common import PALETTE, html_table, player
