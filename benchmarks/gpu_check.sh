@@ -4,7 +4,9 @@
 #      their tensors there and compile the kernels; nothing needs setting);
 #   2. benchmarks/kernel_bench.py, on a grid cut to fit the time (KERNEL_BENCH_ARGS replaces it);
 #   3. benchmarks/gpu_engine_check.py: the engine against transformers on random-weight SmolLM2-, Llama-3-8B- and
-#      Qwen3-shaped models in bf16 with the Triton backend, and decode tok/s at a few batch sizes.
+#      Qwen3-shaped models in bf16 with the Triton backend, and decode tok/s at a few batch sizes;
+#   4. benchmarks/tp_check.py: tensor_parallel_size=2 against 1 (greedy tokens in fp32, decode tok/s in bf16) where
+#      the machine has two CUDA devices; skipped, saying so, where it has one.
 # Every figure is printed; the benchmark's table and plot go to $OUT (or benchmarks/results).
 #
 #   benchmarks/gpu_check.sh          on a CUDA machine, with whatever python3 holds torch, triton and transformers
@@ -59,6 +61,10 @@ fi
 section "3. the engine against transformers"
 if [[ $DRY == 1 ]]; then engine_args=(--dry); else engine_args=(); fi
 "$PY" benchmarks/gpu_engine_check.py "${engine_args[@]}" || status=1
+
+section "4. tensor parallelism"
+if [[ $DRY == 1 ]]; then tp_args=(--dry); else tp_args=(); fi
+"$PY" benchmarks/tp_check.py "${tp_args[@]}" || status=1
 
 section "done: $([[ $status == 0 ]] && echo 'every step passed' || echo 'a step FAILED (see above)')"
 exit $status

@@ -84,7 +84,10 @@ def run_worker(rank: int, size: int, address: str, port: int, num_threads: int |
     (or until rank 0 is gone)."""
     import pickle
 
+    from transformers.utils import logging as hf_logging
+
     from .models import load_model
+    hf_logging.disable_progress_bar()   # rank 0 shows how the loading goes
     if num_threads:
         torch.set_num_threads(num_threads)
     store = dist.TCPStore(address, port, size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)

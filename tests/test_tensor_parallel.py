@@ -191,3 +191,31 @@ def test_two_nodes_on_loopback_started_as_torchrun_starts_them(tmp_path, monkeyp
         assert worker.wait(timeout=30) == 0
     finally:
         worker.kill()
+
+
+def test_the_server_on_two_ranks_answers_as_generate_and_reports_a_dead_rank():
+    """python -m paged serve --tensor-parallel-size 2, in process: completions equal LLM.generate's on the same
+    engine; /health turns 503, naming the rank, once a worker is killed."""
+    import httpx
+    from paged.server import build_app, serve_in_thread, serving_llm
+    llm, _ = serving_llm(tiny_llama(), tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
+                         device="cpu")
+    try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        with serve_in_thread(build_app(llm, "m")) as url:
+            for prompt, tokens in zip(PROMPTS, expected):
+                answer = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                    "model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}).json()
+                assert answer["choices"][0]["token_ids"] == tokens
+            assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+            worker = llm.engine.executor.processes[0]
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(timeout=10)
+            deadline = time.monotonic() + 10
+            while llm.engine.executor.health.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = httpx.get(f"{url}/health", timeout=30)
+            assert health.status_code == 503 and "rank 1" in health.json()["error"]
+    finally:
+        llm.shutdown()

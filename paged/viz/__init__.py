@@ -51,5 +51,6 @@ from paged.viz.ch11_multi_lora import (BASE_COLOUR, SlotSnapshot, adapter_colour
                                        slot_player, slot_replay, slot_snapshot_html, token_indices_html)
 from paged.viz.ch13_serving import (plot_load, plot_servers_by_rate, plot_step_trace, plot_stream_timing,
                                     plot_token_logprobs, stream_timing_series)
-from paged.viz.ch14_parallel import draw_shared_block_table, plot_all_reduce, plot_tp_step_time, shared_table_layout
+from paged.viz.ch14_parallel import (draw_shared_block_table, plot_all_reduce, plot_engine_rates, plot_tp_step_time,
+                                     shared_table_layout)
 from paged.viz.common import PALETTE, html_table, player

@@ -126,3 +126,14 @@ def plot_tp_step_time(big: dict, small: dict[str, list[dict]], does_not_fit=()):
     right.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_engine_rates(rates: dict[str, float], title: str):
+    """Output tokens per second of the same batch on engines of different tensor-parallel sizes, as bars."""
+    fig, ax = plt.subplots(figsize=(5.5, 2.6))
+    ax.barh(list(rates), list(rates.values()), color=PALETTE[:len(rates)])
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens per second (measured)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
