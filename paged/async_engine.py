@@ -2,8 +2,10 @@
 
 `AsyncLLM` wraps an `LLMEngine` for asyncio code. One background thread owns the engine: it takes new requests
 and aborts from a thread-safe inbox, runs `step()` while anything is unfinished, and after each step hands every
-request's new tokens to that request's asyncio queue. Every request in flight shares every step, whoever sent it
-(continuous batching, guide §11, now across clients).
+request's new token ids to that request's asyncio queue. Every request in flight shares every step, whoever sent it
+(continuous batching, guide §11, now across clients). The loop does nothing else: turning token ids into text and
+finding stop strings happens on the consumer's side, in its event loop, while the loop runs the next step (vLLM V1
+splits its engine core and its output processor the same way, across processes).
 
     llm = AsyncLLM(engine)
     async for out in llm.generate(prompt, SamplingParams(max_tokens=32)):
@@ -14,7 +16,8 @@ What the loop guarantees:
   - text is decoded incrementally and a delta never ends inside a multi-byte character (a token holding half of
     one waits for the next token);
   - stop strings end a completion here: its text is cut before the string (stop_strings.py, as offline), and its
-    sequence stops in the engine at once (blocks freed) while the request's other completions go on;
+    sequence is aborted in the engine (blocks freed) before the loop's next step begins, or the one after if that
+    step had begun, while the request's other completions go on;
   - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
     blocks go back to the pool before the next step;
   - if a step raises, the engine has put itself back as it was (LLMEngine.transaction); the requests in flight
@@ -66,12 +69,31 @@ class StreamOutput:
     num_cached_tokens: int = 0   # prompt tokens found in the prefix cache (vLLM's num_cached_tokens)
 
 
+@dataclass
+class SequenceUpdate:
+    """What the loop saw of one completion after a step, before any text (vLLM's EngineCoreOutput, per sequence)."""
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None     # the engine's, once the sequence has finished there
+    stop_reason: str | int | None
+
+
+@dataclass
+class EngineOutput:
+    """One step's news for one request, as the loop hands it over."""
+    updates: list[SequenceUpdate]
+    num_cached_tokens: int
+    prompt_logprobs: list | None = None       # on the first one, when the request asked
+    finished: StreamOutput | None = None      # every completion ended in the engine: what the metrics hook saw
+
+
 @dataclass(frozen=True)
 class LoopStep:
     """One turn of the serving loop that ran an engine step: the step itself (metrics.StepRecord: its start and
     duration on the engine's clock, its prompt chunks, decodes and preemptions), the part of it spent in the model's
-    forward pass, and the loop's own work that turn around the step (taking arrivals and aborts, decoding text,
-    handing out outputs, the metrics hook), which every stream waits for too."""
+    forward pass, and the loop's own work that turn around the step (taking arrivals and aborts, handing each
+    request its new token ids, the metrics hook), which every stream waits for too."""
     step: StepRecord
     forward_time: float     # seconds of the step inside the model's forward pass
     loop_time: float        # seconds of the turn outside engine.step()
@@ -123,24 +145,21 @@ class CompletionTracker:
         self.include_stop_str_in_output = include_stop_str_in_output   # vLLM's: a stop string's or token's text stays
         self.logprobs = logprobs  # pass on the sequence's log-probabilities with its tokens
         self.hold = stop_hold_back(stop, include_stop_str_in_output)
-        self.num_sent = 0
         self.text = ""            # decoded so far
         self.num_emitted = 0      # characters of text already sent
         self.finish_reason: str | None = None
 
-    def advance(self, seq) -> CompletionDelta | None:
-        """The delta since the last call from seq (a paged Sequence), or None if nothing changed."""
+    def advance(self, update: SequenceUpdate) -> CompletionDelta | None:
+        """The delta an update makes, or None if nothing changed (or the completion had already ended)."""
         if self.finish_reason is not None:
             return None
-        new_ids = seq.output_token_ids[self.num_sent:]
-        if not new_ids and not seq.is_finished:
+        new_ids, finish = update.new_token_ids, update.finish_reason
+        if not new_ids and finish is None:
             return None
-        logprobs = seq.logprobs[self.num_sent:] if self.logprobs else None
-        self.num_sent += len(new_ids)
-        finish = seq.finish_reason if seq.is_finished else None
+        logprobs = update.new_logprobs if self.logprobs else None
         searched = len(self.text)
         text_ids = new_ids
-        stopped_at_token = finish == "stop" and seq.stop_reason is None   # not at a stop string the engine found
+        stopped_at_token = finish == "stop" and update.stop_reason is None   # not at a stop string the engine found
         if stopped_at_token and new_ids and not self.include_stop_str_in_output:
             text_ids = new_ids[:-1]
         self.text += self.detokenizer.push(text_ids, final=finish is not None)
@@ -151,7 +170,7 @@ class CompletionTracker:
         delta = self.text[self.num_emitted:max(end, self.num_emitted)]
         self.num_emitted += len(delta)
         self.finish_reason = finish
-        return CompletionDelta(seq.index, delta, new_ids, finish, logprobs)
+        return CompletionDelta(update.index, delta, new_ids, finish, logprobs)
 
 
 class _Stream:
@@ -166,9 +185,11 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request = None
         self.arrival_time: float | None = None   # engine clock, when add_request was called
-        self.completions: list[CompletionTracker] = []
-        self.token_times: list[list[float]] = []   # engine clock: when each completion's tokens were appended
-        self.num_outputs = 0   # StreamOutputs sent
+        self.completions: list[CompletionTracker] = []   # the consumer's: text and stop strings
+        self.token_times: list[list[float]] = []   # the loop's, engine clock: when each completion's tokens came
+        self.num_sent: list[int] = []              # the loop's: tokens of each completion handed over
+        self.finish_sent: list[bool] = []          # the loop's: each completion's end handed over
+        self.num_outputs = 0   # EngineOutputs sent
 
     def send(self, item) -> None:
         """From the loop's thread to the consumer's event loop (an output, or an exception to raise there)."""
@@ -229,11 +250,34 @@ class AsyncLLM:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
+                output = self._process(stream, item)
+                if output is not None:
+                    finished = output.finished
+                    yield output
         finally:
             if not finished:
                 self.abort(stream.request_id)
+
+    def _process(self, stream: _Stream, news: EngineOutput) -> StreamOutput | None:
+        """The text and stop strings of a step's news, in the consumer's event loop (vLLM's output processor). A
+        completion that meets a stop string is aborted in the engine; its text ends before the string."""
+        deltas = []
+        for update in news.updates:
+            completion = stream.completions[update.index]
+            delta = completion.advance(update)
+            if delta is not None:
+                deltas.append(delta)
+                if completion.finish_reason is not None and update.finish_reason is None:   # a stop string
+                    self._inbox.put(("abort_sequence", (stream.request_id, update.index)))
+        if not deltas:
+            return None
+        done = all(c.finish_reason is not None for c in stream.completions)
+        output = StreamOutput(stream.request_id, len(stream.request.prompt_token_ids), deltas, done,
+                              prompt_logprobs=news.prompt_logprobs, num_cached_tokens=news.num_cached_tokens)
+        if done:   # the engine's timestamps: as the loop saw them at the end, or now, if a stop string ended it
+            final = news.finished or self._finished_output(stream)
+            output.metrics, output.completion_token_times = final.metrics, final.completion_token_times
+        return output
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                        lora_request=None, stop: tuple[str, ...] = ()):
@@ -272,11 +316,14 @@ class AsyncLLM:
                 except queue.Empty:
                     break
             turn_start = time.perf_counter()
+            ended = []   # requests whose last completion a stop string aborted
             for kind, payload in messages:
                 if kind == "add":
                     self._add(payload)
                 elif kind == "abort":
                     self._abort(payload)
+                elif kind == "abort_sequence":
+                    ended += self._abort_sequence(*payload)
             news, step, step_time = [], None, 0.0
             if self.engine.has_unfinished_requests():
                 step_start, clock_start = time.perf_counter(), self.engine.clock()
@@ -289,7 +336,7 @@ class AsyncLLM:
                     step = read_step(self.engine, self.engine.num_steps, clock_start, step_time, finished)
                     news = self._collect()
             if messages or news:   # the hook first: when a client has its last token, /metrics counts it
-                self._notify([output for _, output in news if output.finished])
+                self._notify(ended + [output.finished for _, output in news if output.finished is not None])
             for stream, output in news:
                 stream.send(output)
             if step is not None:
@@ -325,6 +372,7 @@ class AsyncLLM:
                                                 params.logprobs is not None, params.include_stop_str_in_output)
                               for _ in range(params.n)]
         stream.token_times = [[] for _ in range(params.n)]
+        stream.num_sent, stream.finish_sent = [0] * params.n, [False] * params.n
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
 
@@ -332,31 +380,52 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _collect(self) -> list[tuple[_Stream, StreamOutput]]:
-        """What each request's completions gained this step, to be sent; a request that ended leaves the loop."""
+    def _abort_sequence(self, request_id: str, index: int) -> list[StreamOutput]:
+        """A completion its consumer stopped at a stop string; if it was the request's last, the request is over
+        (returned, for the metrics hook)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return []
+        self.engine.abort_sequence(request_id, index)
+        if not stream.request.is_finished:
+            return []
+        del self._streams[request_id]
+        return [self._finished_output(stream)]
+
+    def _finished_output(self, stream: _Stream) -> StreamOutput:
+        """A request at its end, with the engine's timestamps, as the metrics hook and the last output carry it."""
+        request, metrics = stream.request, stream.request.metrics
+        metrics.finished_time = metrics.finished_time or self.engine.clock()
+        return StreamOutput(stream.request_id, len(request.prompt_token_ids), [], True,
+                            dataclasses.replace(metrics, token_times=list(metrics.token_times)),
+                            [list(times) for times in stream.token_times],
+                            num_cached_tokens=request.num_cached_tokens)
+
+    def _collect(self) -> list[tuple[_Stream, EngineOutput]]:
+        """Each request's new token ids this step, to be sent; a request that ended leaves the loop. No text:
+        the consumers decode it (AsyncLLM._process)."""
         news = []
         for request_id, stream in list(self._streams.items()):
-            deltas = [d for d in (c.advance(seq) for c, seq in zip(stream.completions, stream.request.seqs))
-                      if d is not None]
-            if not deltas:
+            request, updates = stream.request, []
+            for seq in request.seqs:
+                index, sent = seq.index, stream.num_sent[seq.index]
+                new_ids = seq.output_token_ids[sent:]
+                if not new_ids and (not seq.is_finished or stream.finish_sent[index]):
+                    continue
+                stream.num_sent[index] += len(new_ids)
+                stream.finish_sent[index] = seq.is_finished
+                stream.token_times[index] += request.metrics.token_times[-1:] * len(new_ids)   # one step's time
+                updates.append(SequenceUpdate(index, new_ids, seq.logprobs[sent:] if seq.params.logprobs is not None
+                                              else None, seq.finish_reason if seq.is_finished else None,
+                                              seq.stop_reason))
+            if not updates:
                 continue
-            for delta in deltas:   # the tokens of one step share its time
-                stream.token_times[delta.index] += stream.request.metrics.token_times[-1:] * len(delta.token_ids)
-            for completion, seq in zip(stream.completions, stream.request.seqs):
-                if completion.finish_reason == "stop" and not seq.is_finished:   # a stop string: the engine
-                    self.engine.abort_sequence(request_id, seq.index)               # still holds its blocks
-            done = all(c.finish_reason is not None for c in stream.completions)
-            request = stream.request
-            output = StreamOutput(request_id, len(request.prompt_token_ids), deltas, done,
-                                  num_cached_tokens=request.num_cached_tokens)
+            output = EngineOutput(updates, request.num_cached_tokens)
             if stream.num_outputs == 0 and request.params.prompt_logprobs is not None:   # the prompt is done by now
                 output.prompt_logprobs = [None, *request.prompt_logprobs]
             stream.num_outputs += 1
-            if done:
-                metrics = request.metrics
-                metrics.finished_time = metrics.finished_time or self.engine.clock()
-                output.metrics = dataclasses.replace(metrics, token_times=list(metrics.token_times))
-                output.completion_token_times = stream.token_times
+            if request.is_finished:
+                output.finished = self._finished_output(stream)
                 del self._streams[request_id]
             news.append((stream, output))
         return news

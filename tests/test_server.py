@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import make_tiny_llm, random_prompts, tiny_llama
 from paged import LLM, LoRARequest, SamplingParams
-from paged.async_engine import CompletionTracker, IncrementalDetokenizer
+from paged.async_engine import CompletionTracker, IncrementalDetokenizer, SequenceUpdate
 from paged.models import chat_prompt
 from paged.server import adapter_rank, build_app, serve_in_thread
 
@@ -324,22 +324,19 @@ class CharTokenizer:
         return "".join(self.pieces[i] for i in ids)
 
 
-class GrowingSeq:
-    def __init__(self):
-        self.index, self.output_token_ids, self.is_finished, self.finish_reason = 0, [], False, None
+def one_token(token: int) -> SequenceUpdate:
+    return SequenceUpdate(0, [token], None, None, None)
 
 
 def test_stop_strings_are_held_back_until_they_are_ruled_out():
     tracker = CompletionTracker(CharTokenizer(["ab", "c", "de", "x", "cd"]), stop=("cde",))
-    seq = GrowingSeq()
     sent = []
     for token in [0, 1, 3, 1, 2, 4]:      # ab c x c de cd: "cde" appears across the 4th and 5th tokens
-        seq.output_token_ids.append(token)
-        delta = tracker.advance(seq)
+        delta = tracker.advance(one_token(token))
         if delta is not None:
             sent.append(delta.text)
         if tracker.finish_reason is not None:
             break
     # the last two characters always wait (they might begin "cde"); the text ends before the stop string
     assert sent == ["", "a", "b", "c", "x"] and tracker.finish_reason == "stop"
-    assert tracker.advance(seq) is None   # nothing after the stop
+    assert tracker.advance(one_token(4)) is None   # nothing after the stop
