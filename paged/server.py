@@ -170,6 +170,37 @@ class EngineFailure(Exception):
     """The engine could not take a request for a reason of its own (its loop stopped): HTTP 500."""
 
 
+class ChunkedBodyLimit:
+    """A body sent without a Content-Length (in chunks) is read here first, and refused with 413 as soon as it grows
+    past max_body_bytes; one within the limit goes on to the app as if it had just arrived. (A body with a
+    Content-Length is judged by that header, before it is read.)"""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or any(name == b"content-length" for name, _ in scope["headers"]):
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                response = error_response(f"the request body (over {size} bytes, in chunks) is larger than this "
+                                          f"server takes ({self.max_body_bytes} bytes)", None, 413)
+                return await response(scope, receive, send)
+        body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def error_response(message: str, param: str | None, status: int = 400,
                    kind: str = "invalid_request_error") -> JSONResponse:
     """OpenAI's error object."""
@@ -414,6 +445,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
 
     app = FastAPI(title="paged", lifespan=lifespan)
     app.state.metrics = metrics
+    app.add_middleware(ChunkedBodyLimit, max_body_bytes=max_body_bytes)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

@@ -1,6 +1,7 @@
 """Defects found by probing the server and its command line, one test per class, each on cases of its own; after
 each bad request the server answers the next one as usual."""
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +139,16 @@ def test_text_is_tokenized_off_the_engine_loop_and_bodies_are_bounded():
         answer = post(url, "/v1/completions", {"model": "m", "prompt": "x" * 500_000})
         assert_error(answer, 400, "prompt", "prompt has 500000 tokens")
         assert_error(post(url, "/v1/completions", {"model": "m", "prompt": "x" * 2**20}), 413, None, "larger")
+
+        def in_chunks(body: bytes):   # no Content-Length: the body's size shows only as it is read
+            yield from (body[i:i + 65536] for i in range(0, len(body), 65536))
+
+        chunked = httpx.post(f"{url}/v1/completions", timeout=DEADLINE_S, headers={"content-type": "application/json"},
+                             content=in_chunks(json.dumps({"model": "m", "prompt": "x" * 2**21}).encode()))
+        assert_error(chunked, 413, None, "in chunks")
+        small = httpx.post(f"{url}/v1/completions", timeout=DEADLINE_S, headers={"content-type": "application/json"},
+                           content=in_chunks(json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 2}).encode()))
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
         assert stream.result().text.endswith("data: [DONE]\n\n")
         assert post(url, "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 2}).status_code == 200
     assert tokenizer.threads and "paged-engine-loop" not in tokenizer.threads
