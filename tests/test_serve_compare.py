@@ -25,6 +25,7 @@ def vllm_bench(ttft_p99_ms, itl_p99_ms, out_tok_s, goodput, completed=20, failed
 
 
 def guidellm(ttft_p99_ms, successful=10, duration=5.0):
+    """The fields of GuideLLM 0.8.1's `--output kind=json` report the comparison reads (times in ms, latency in s)."""
     def stats(p50, p99):
         return {"successful": {"percentiles": {"p50": p50, "p99": p99}}}
     metrics = {"request_totals": {"successful": successful, "errored": 1, "incomplete": 0},
@@ -49,8 +50,10 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     write(tmp_path, "paged_guidellm_synthetic_2_r1", guidellm(800))
     write(tmp_path, "paged_serve-bench_sharegpt_2_r1",
           {"summary": {name: 1.0 for name in serve_compare.FIGURES}})
+    write(tmp_path, "paged_vllm-bench_sharegpt_2_r1", vllm_bench(700, 150, 80, 1.8))   # ShareGPT-like file, every round
+    write(tmp_path, "vllm_vllm-bench_sharegpt_2_r1", vllm_bench(600, 300, 90, 1.9))
     runs = serve_compare.read_runs(tmp_path)
-    assert len(runs) == 8
+    assert len(runs) == 10
     rows = {(r["client"], r["workload"], r["rate"], r["server"]): r for r in serve_compare.average(runs)}
     paged = rows[("vllm-bench", "random", 1.0, "paged")]
     assert paged["rounds"] == 2 and paged["ttft_p99"] == pytest.approx(2.0) and paged["itl_p99"] == pytest.approx(0.3)
@@ -58,6 +61,7 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     assert paged["slo_attainment"] == pytest.approx((2.0 * 10 / 20 + 1.0 * 10 / 20) / 2)   # met / sent, per round
     guide = rows[("guidellm", "synthetic", 2.0, "paged")]
     assert guide["ttft_p99"] == pytest.approx(0.8) and guide["itl_p99"] == pytest.approx(0.06)
+    assert guide["tpot_p99"] == pytest.approx(0.06)   # vLLM's TPOT leaves out the first token, as GuideLLM's ITL does
     assert guide["throughput_rps"] == pytest.approx(2.0) and guide["output_tok_s"] == pytest.approx(100)
     assert guide["failures"] == 1
     compared = serve_compare.comparisons(list(rows.values()))
@@ -67,6 +71,21 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     assert at[1.0]["itl p99 ratio"] == pytest.approx(0.6)
     assert at[4.0]["itl p99 <= vllm"] and not at[4.0]["ttft p99 <= vllm"]
     assert compared["highest_rate_90pct_slo"] == {"paged": None, "vllm": 4.0}   # 19 of 20 met at 4 req/s
+    sharegpt = next(c for c in compared["at_rates"] if c["workload"] == "sharegpt")   # beside serve_bench.py's run
+    assert sharegpt["client"] == "vllm-bench" and sharegpt["rate"] == 2.0 and sharegpt["itl p99 <= vllm"]
+    assert not sharegpt["ttft p99 <= vllm"] and sharegpt["itl p99 ratio"] == pytest.approx(0.5)
+    assert rows[("serve-bench", "sharegpt", 2.0, "paged")]["ttft_p99"] == 1.0
+
+
+def test_the_tables_show_every_client_and_workload(serve_compare, tmp_path, capsys):
+    write(tmp_path, "paged_vllm-bench_sharegpt_0.5_r1", vllm_bench(700, 150, 80, 0.5))
+    write(tmp_path, "vllm_vllm-bench_sharegpt_0.5_r1", vllm_bench(600, 300, 90, 0.5))
+    write(tmp_path, "paged_guidellm_synthetic_0.5_r1", guidellm(800))
+    rows = serve_compare.average(serve_compare.read_runs(tmp_path))
+    serve_compare.print_tables(rows, serve_compare.comparisons(rows))
+    out = capsys.readouterr().out
+    assert "vllm-bench, sharegpt prompts (mean of the rounds)" in out and "guidellm, synthetic prompts" in out
+    assert "vllm-bench, sharegpt, 0.5 req/s: goodput >= vllm yes, ttft p99 <= vllm NO" in out
 
 
 def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, capsys):
