@@ -57,8 +57,10 @@ class CompletionDelta:
 
 @dataclass
 class StreamOutput:
-    """One step's news for one request. The last one has finished=True and the request's engine timestamps; the
-    first one carries the prompt's log-probabilities when the request asked for them."""
+    """One step's news for one request. The last one has finished=True, and the request's engine timestamps when
+    the engine had ended it by then (a stop string the consumer finds ends it in the engine a step later; the
+    metrics hook gets its timestamps then); the first one carries the prompt's log-probabilities when the request
+    asked for them."""
     request_id: str
     num_prompt_tokens: int
     completions: list[CompletionDelta]
@@ -173,146 +175,82 @@ class CompletionTracker:
         return CompletionDelta(update.index, delta, new_ids, finish, logprobs)
 
 
-class _Stream:
-    """One request as the loop tracks it: its engine Request, its completions, and where its outputs go."""
+@dataclass
+class AddRequest:
+    """A request on its way to the loop: what it needs to make the engine's Request (picklable: it may cross to the
+    engine core's process)."""
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    lora_request: object
+    fill_max_tokens: bool
+    arrival_time: float       # engine clock (time.perf_counter), when add_request was called
 
-    def __init__(self, request_id, prompt, params, lora_request, stop, fill_max_tokens, loop, accepted):
+
+class _Stream:
+    """One request as its consumer sees it: the completions' text and stop strings, and where its outputs go."""
+
+    def __init__(self, request_id: str, params: SamplingParams, stop: tuple[str, ...], tokenizer, loop):
         self.request_id = request_id
-        self.prompt, self.params, self.lora_request = prompt, params, lora_request
-        self.stop, self.fill_max_tokens = stop, fill_max_tokens
         self.loop = loop
-        self.accepted = accepted          # asyncio.Future: resolved when the engine took it, or its ValueError
+        self.accepted = loop.create_future()   # resolved when the engine took it (its prompt's length), or an error
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.request = None
-        self.arrival_time: float | None = None   # engine clock, when add_request was called
-        self.completions: list[CompletionTracker] = []   # the consumer's: text and stop strings
-        self.token_times: list[list[float]] = []   # the loop's, engine clock: when each completion's tokens came
-        self.num_sent: list[int] = []              # the loop's: tokens of each completion handed over
-        self.finish_sent: list[bool] = []          # the loop's: each completion's end handed over
-        self.num_outputs = 0   # EngineOutputs sent
+        self.completions = [CompletionTracker(tokenizer, stop + tuple(params.stop), params.logprobs is not None,
+                                              params.include_stop_str_in_output) for _ in range(params.n)]
+        self.num_prompt_tokens = 0
 
     def send(self, item) -> None:
-        """From the loop's thread to the consumer's event loop (an output, or an exception to raise there)."""
+        """From another thread to the consumer's event loop (an output, or an exception to raise there)."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:   # the consumer's event loop has closed: nobody is listening
             pass
 
 
-class AsyncLLM:
-    """An LLMEngine stepped by a background thread, fed and read from asyncio. `on_step(engine, finished)` runs
-    in that thread after each step and each round of arrivals and aborts, before the step's outputs are sent
-    (finished: the StreamOutputs of requests that ended); the server updates its Prometheus metrics there.
-    A request's arrival time is when add_request was called, on the engine's clock: the wait for a step in
-    progress to end counts in its TTFT, as it does for the user."""
+class _Running:
+    """One request as the loop tracks it: its engine Request and what of it has been handed over."""
 
-    def __init__(self, engine: LLMEngine, on_step=None):
-        self.engine = engine
-        self.on_step = on_step
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}    # the loop thread's only
-        self._stopped = threading.Event()
+    def __init__(self, request):
+        self.request = request
+        n = request.params.n
+        self.token_times: list[list[float]] = [[] for _ in range(n)]   # engine clock: each completion's tokens
+        self.num_sent = [0] * n               # tokens of each completion handed over
+        self.finish_sent = [False] * n        # each completion's end handed over
+        self.num_outputs = 0                  # EngineOutputs sent
+
+
+class EngineLoop:
+    """The loop that owns an engine (vLLM V1's engine core busy loop): it takes requests and aborts from its inbox,
+    runs `step()` while anything is unfinished, and after each step emits each request's new token ids. It emits
+    messages through `emit`, a function of one tuple, from its own thread:
+        ("accepted", request_id, error or None, number of prompt tokens)
+        ("output", request_id, EngineOutput)
+        ("failed", request_id, error)          a step failed (and was undone): the request is aborted
+        ("stats", engine.kv_stats(), [StreamOutput of each request that ended])   after each turn that did anything
+    In a thread of the server's process (AsyncLLM) or in a process of its own (engine_core.py), the same loop."""
+
+    def __init__(self, engine: LLMEngine, emit):
+        self.engine, self.emit = engine, emit
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stopped = threading.Event()
         self.steps: collections.deque[LoopStep] = collections.deque(maxlen=NUM_TRACED_STEPS)  # the latest, in order
-        self._thread = threading.Thread(target=self._run, name="paged-engine-loop", daemon=True)
-        self._thread.start()
+        self._running: dict[str, _Running] = {}
 
-    # ---- the asyncio side -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self.stopped.set()
+        self.inbox.put(("wake", None))
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
-        """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
-        cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
-        model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
-        plus max_tokens beyond the context is refused. A text prompt is tokenized on the loop's thread: a server
-        tokenizes it beforehand (off the loop) and passes token ids. A stop
-        token's text (one of stop_token_ids') is left out of the text unless params.include_stop_str_in_output,
-        as vLLM does."""
-        if self._stopped.is_set():
-            raise RuntimeError("the engine loop has stopped")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(request_id or uuid.uuid4().hex, prompt, params, lora_request, tuple(stop),
-                         fill_max_tokens, loop, loop.create_future())
-        stream.arrival_time = self.engine.clock()   # it arrived now, though the loop may be in a step
-        self._inbox.put(("add", stream))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:   # the caller left before the engine answered: undo the add, if it happened
-            self.abort(stream.request_id)
-            raise
-        return stream
-
-    async def stream_outputs(self, stream: _Stream):
-        """The request's StreamOutputs as the steps produce them, until the finished one. If the consumer stops
-        early (cancelled, or the iterator closed), the request is aborted."""
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                output = self._process(stream, item)
-                if output is not None:
-                    finished = output.finished
-                    yield output
-        finally:
-            if not finished:
-                self.abort(stream.request_id)
-
-    def _process(self, stream: _Stream, news: EngineOutput) -> StreamOutput | None:
-        """The text and stop strings of a step's news, in the consumer's event loop (vLLM's output processor). A
-        completion that meets a stop string is aborted in the engine; its text ends before the string."""
-        deltas = []
-        for update in news.updates:
-            completion = stream.completions[update.index]
-            delta = completion.advance(update)
-            if delta is not None:
-                deltas.append(delta)
-                if completion.finish_reason is not None and update.finish_reason is None:   # a stop string
-                    self._inbox.put(("abort_sequence", (stream.request_id, update.index)))
-        if not deltas:
-            return None
-        done = all(c.finish_reason is not None for c in stream.completions)
-        output = StreamOutput(stream.request_id, len(stream.request.prompt_token_ids), deltas, done,
-                              prompt_logprobs=news.prompt_logprobs, num_cached_tokens=news.num_cached_tokens)
-        if done:   # the engine's timestamps: as the loop saw them at the end, or now, if a stop string ended it
-            final = news.finished or self._finished_output(stream)
-            output.metrics, output.completion_token_times = final.metrics, final.completion_token_times
-        return output
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       lora_request=None, stop: tuple[str, ...] = ()):
-        """add_request, then its outputs: an async iterator of StreamOutput."""
-        stream = await self.add_request(prompt, params, request_id, lora_request, stop)
-        async for output in self.stream_outputs(stream):
-            yield output
-
-    @property
-    def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopped.is_set()
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request (from any thread); its blocks return to the pool before the next step."""
-        self._inbox.put(("abort", request_id))
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop: requests still in flight are aborted and their consumers get an error."""
-        self._stopped.set()
-        self._inbox.put(("wake", None))
-        self._thread.join(timeout)
-
-    # ---- the loop's thread ----------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
+    def run(self) -> None:
+        while not self.stopped.is_set():
             messages = []
             if not self.engine.has_unfinished_requests():   # idle: wait for something to arrive
                 try:
-                    messages.append(self._inbox.get(timeout=IDLE_POLL_S))
+                    messages.append(self.inbox.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
                     continue
             while True:
                 try:
-                    messages.append(self._inbox.get_nowait())
+                    messages.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
             turn_start = time.perf_counter()
@@ -336,9 +274,10 @@ class AsyncLLM:
                     step = read_step(self.engine, self.engine.num_steps, clock_start, step_time, finished)
                     news = self._collect()
             if messages or news:   # the hook first: when a client has its last token, /metrics counts it
-                self._notify(ended + [output.finished for _, output in news if output.finished is not None])
-            for stream, output in news:
-                stream.send(output)
+                self.emit(("stats", self.engine.kv_stats(),
+                           ended + [output.finished for _, output in news if output.finished is not None]))
+            for request_id, output in news:
+                self.emit(("output", request_id, output))
             if step is not None:
                 scheduler = self.engine.scheduler
                 self.steps.append(LoopStep(step, self.engine.last_forward_time,
@@ -346,14 +285,14 @@ class AsyncLLM:
                                            len(scheduler.waiting) + len(scheduler.swapped), len(scheduler.running)))
         self._fail_all(RuntimeError("the engine loop has stopped"))
 
-    def _add(self, stream: _Stream) -> None:
+    def _add(self, add: AddRequest) -> None:
         try:
-            token_ids = prompt_token_ids(stream.prompt, self.engine.tokenizer)
-            params = stream.params
+            token_ids = prompt_token_ids(add.prompt, self.engine.tokenizer)
+            params = add.params
             room = self.engine.max_model_len - len(token_ids)
             if room < 1:   # the prompt alone: no max_tokens could help
                 self.engine.config.check_prompt(token_ids, 1)
-            if stream.fill_max_tokens:   # what the context leaves, and the pool: a request must fit it whole
+            if add.fill_max_tokens:   # what the context leaves, and the pool: a request must fit it whole
                 stats = self.engine.kv_stats()
                 pool_room = stats["num_blocks"] * stats["block_size"] - len(token_ids)
                 params = dataclasses.replace(params, max_tokens=max(1, min(room, pool_room)))
@@ -361,99 +300,229 @@ class AsyncLLM:
                 raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
                                  f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
                                  f"lower max_tokens to at most {max(room, 0)}")
-            request = self.engine.make_request(token_ids, params, stream.request_id, stream.lora_request)
-            request.metrics.arrival_time = stream.arrival_time
+            request = self.engine.make_request(token_ids, params, add.request_id, add.lora_request)
+            request.metrics.arrival_time = add.arrival_time
             self.engine.add_request(request)
         except Exception as error:   # ValueError for a bad request; anything else is still this request's alone
-            stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
+            self.emit(("accepted", add.request_id, error, 0))
             return
-        stream.request = request
-        stream.completions = [CompletionTracker(self.engine.tokenizer, stream.stop + tuple(params.stop),
-                                                params.logprobs is not None, params.include_stop_str_in_output)
-                              for _ in range(params.n)]
-        stream.token_times = [[] for _ in range(params.n)]
-        stream.num_sent, stream.finish_sent = [0] * params.n, [False] * params.n
-        self._streams[stream.request_id] = stream
-        stream.loop.call_soon_threadsafe(_settle, stream.accepted, None)
+        self._running[add.request_id] = _Running(request)
+        self.emit(("accepted", add.request_id, None, len(token_ids)))
 
     def _abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        self._running.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def _abort_sequence(self, request_id: str, index: int) -> list[StreamOutput]:
         """A completion its consumer stopped at a stop string; if it was the request's last, the request is over
         (returned, for the metrics hook)."""
-        stream = self._streams.get(request_id)
-        if stream is None:
+        running = self._running.get(request_id)
+        if running is None:
             return []
         self.engine.abort_sequence(request_id, index)
-        if not stream.request.is_finished:
+        if not running.request.is_finished:
             return []
-        del self._streams[request_id]
-        return [self._finished_output(stream)]
+        del self._running[request_id]
+        return [self._finished_output(request_id, running)]
 
-    def _finished_output(self, stream: _Stream) -> StreamOutput:
+    def _finished_output(self, request_id: str, running: _Running) -> StreamOutput:
         """A request at its end, with the engine's timestamps, as the metrics hook and the last output carry it."""
-        request, metrics = stream.request, stream.request.metrics
+        request, metrics = running.request, running.request.metrics
         metrics.finished_time = metrics.finished_time or self.engine.clock()
-        return StreamOutput(stream.request_id, len(request.prompt_token_ids), [], True,
+        return StreamOutput(request_id, len(request.prompt_token_ids), [], True,
                             dataclasses.replace(metrics, token_times=list(metrics.token_times)),
-                            [list(times) for times in stream.token_times],
+                            [list(times) for times in running.token_times],
                             num_cached_tokens=request.num_cached_tokens)
 
-    def _collect(self) -> list[tuple[_Stream, EngineOutput]]:
+    def _collect(self) -> list[tuple[str, EngineOutput]]:
         """Each request's new token ids this step, to be sent; a request that ended leaves the loop. No text:
         the consumers decode it (AsyncLLM._process)."""
         news = []
-        for request_id, stream in list(self._streams.items()):
-            request, updates = stream.request, []
+        for request_id, running in list(self._running.items()):
+            request, updates = running.request, []
             for seq in request.seqs:
-                index, sent = seq.index, stream.num_sent[seq.index]
+                index, sent = seq.index, running.num_sent[seq.index]
                 new_ids = seq.output_token_ids[sent:]
-                if not new_ids and (not seq.is_finished or stream.finish_sent[index]):
+                if not new_ids and (not seq.is_finished or running.finish_sent[index]):
                     continue
-                stream.num_sent[index] += len(new_ids)
-                stream.finish_sent[index] = seq.is_finished
-                stream.token_times[index] += request.metrics.token_times[-1:] * len(new_ids)   # one step's time
+                running.num_sent[index] += len(new_ids)
+                running.finish_sent[index] = seq.is_finished
+                running.token_times[index] += request.metrics.token_times[-1:] * len(new_ids)   # one step's time
                 updates.append(SequenceUpdate(index, new_ids, seq.logprobs[sent:] if seq.params.logprobs is not None
                                               else None, seq.finish_reason if seq.is_finished else None,
                                               seq.stop_reason))
             if not updates:
                 continue
             output = EngineOutput(updates, request.num_cached_tokens)
-            if stream.num_outputs == 0 and request.params.prompt_logprobs is not None:   # the prompt is done by now
+            if running.num_outputs == 0 and request.params.prompt_logprobs is not None:   # the prompt is done by now
                 output.prompt_logprobs = [None, *request.prompt_logprobs]
-            stream.num_outputs += 1
+            running.num_outputs += 1
             if request.is_finished:
-                output.finished = self._finished_output(stream)
-                del self._streams[request_id]
-            news.append((stream, output))
+                output.finished = self._finished_output(request_id, running)
+                del self._running[request_id]
+            news.append((request_id, output))
         return news
 
     def _fail_running(self, error: BaseException) -> None:
         """A step failed (and was undone): the requests it held are aborted with the error. Requests still in the
         inbox did not take part in it, and are added next round."""
-        for request_id, stream in list(self._streams.items()):
+        for request_id in list(self._running):
             self.engine.abort_request(request_id)
-            stream.send(error)
-        self._streams.clear()
+            self.emit(("failed", request_id, error))
+        self._running.clear()
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail_running(error)
         while True:   # requests that never reached the engine
             try:
-                kind, payload = self._inbox.get_nowait()
+                kind, payload = self.inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
-                payload.loop.call_soon_threadsafe(_settle, payload.accepted, error)
+                self.emit(("accepted", payload.request_id, error, 0))
 
-    def _notify(self, finished: list[StreamOutput]) -> None:
-        if self.on_step is not None:
-            try:
-                self.on_step(self.engine, finished)
-            except Exception:   # a metrics hook must never stop the serving loop
-                pass
+
+class AsyncLLM:
+    """An engine's loop fed and read from asyncio. AsyncLLM(engine) runs the EngineLoop in a background thread of
+    this process; engine_core.AsyncMPClient runs it in a process of its own, behind the same methods.
+    `on_step(stats, finished)` runs after each turn of the loop that did anything, before that turn's outputs are
+    handed out (stats: engine.kv_stats(); finished: the StreamOutputs of requests that ended); the server updates
+    its Prometheus metrics there. A request's arrival time is when add_request was called, on the engine's clock
+    (time.perf_counter): the wait for a step in progress to end counts in its TTFT, as it does for the user."""
+
+    def __init__(self, engine: LLMEngine, on_step=None):
+        self.on_step = on_step
+        self.tokenizer, self.max_model_len, self.vocab_size = engine.tokenizer, engine.max_model_len, \
+            engine.config.vocab_size
+        self._streams: dict[str, _Stream] = {}      # requests whose consumer still listens
+        self._closed = threading.Event()
+        self.engine = engine
+        self._core = EngineLoop(engine, self._dispatch)
+        self._inbox = self._core.inbox
+        self.steps = self._core.steps
+        self._thread = threading.Thread(target=self._core.run, name="paged-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- how the loop is reached (a thread here; a process in engine_core.py) --------------------------------
+
+    def _send(self, message) -> None:
+        self._inbox.put(message)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._closed.is_set()
+
+    def check_health(self) -> None:
+        """A RuntimeError saying why, if the engine can no longer run a step."""
+        self.engine.check_health()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop: requests still in flight are aborted and their consumers get an error."""
+        self._closed.set()
+        self._core.stop()
+        self._thread.join(timeout)
+
+    # ---- the asyncio side -------------------------------------------------------------------------------
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          lora_request=None, stop: tuple[str, ...] = (), fill_max_tokens: bool = False) -> _Stream:
+        """Hand a request to the loop and wait until the engine has taken it. Raises the engine's ValueError if it
+        cannot be served (nothing is then queued). fill_max_tokens=True replaces params.max_tokens by what the
+        model's context (and the KV pool) leave after the prompt, OpenAI's default for chat; otherwise a prompt
+        plus max_tokens beyond the context is refused. A text prompt is tokenized by the loop: a server
+        tokenizes it beforehand (off the loop) and passes token ids. A stop
+        token's text (one of stop_token_ids') is left out of the text unless params.include_stop_str_in_output,
+        as vLLM does."""
+        if self._closed.is_set() or not self.is_running:
+            raise RuntimeError("the engine loop has stopped")
+        stream = _Stream(request_id or uuid.uuid4().hex, params, tuple(stop), self.tokenizer,
+                         asyncio.get_running_loop())
+        self._streams[stream.request_id] = stream
+        arrival = time.perf_counter()   # it arrived now, though the loop may be in a step
+        self._send(("add", AddRequest(stream.request_id, prompt, params, lora_request, fill_max_tokens, arrival)))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:   # the caller left before the engine answered: undo the add, if it happened
+            self.abort(stream.request_id)
+            raise
+        except BaseException:
+            self._streams.pop(stream.request_id, None)
+            raise
+        return stream
+
+    async def stream_outputs(self, stream: _Stream):
+        """The request's StreamOutputs as the steps produce them, until the finished one. If the consumer stops
+        early (cancelled, or the iterator closed), the request is aborted."""
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                output = self._process(stream, item)
+                if output is not None:
+                    finished = output.finished
+                    yield output
+        finally:
+            self._streams.pop(stream.request_id, None)
+            if not finished:
+                self.abort(stream.request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       lora_request=None, stop: tuple[str, ...] = ()):
+        """add_request, then its outputs: an async iterator of StreamOutput."""
+        stream = await self.add_request(prompt, params, request_id, lora_request, stop)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (from any thread); its blocks return to the pool before the next step."""
+        self._streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _process(self, stream: _Stream, news: EngineOutput) -> StreamOutput | None:
+        """The text and stop strings of a step's news, in the consumer's event loop (vLLM's output processor). A
+        completion that meets a stop string is aborted in the engine; its text ends before the string."""
+        deltas = []
+        for update in news.updates:
+            completion = stream.completions[update.index]
+            delta = completion.advance(update)
+            if delta is not None:
+                deltas.append(delta)
+                if completion.finish_reason is not None and update.finish_reason is None:   # a stop string
+                    self._send(("abort_sequence", (stream.request_id, update.index)))
+        if not deltas:
+            return None
+        done = all(c.finish_reason is not None for c in stream.completions)
+        output = StreamOutput(stream.request_id, stream.num_prompt_tokens, deltas, done,
+                              prompt_logprobs=news.prompt_logprobs, num_cached_tokens=news.num_cached_tokens)
+        if done and news.finished is not None:   # the engine ended it too: its timestamps
+            output.metrics, output.completion_token_times = news.finished.metrics, news.finished.completion_token_times
+        return output
+
+    # ---- what the loop emits, in the loop's thread (or the thread reading the engine core's process) ------------
+
+    def _dispatch(self, message) -> None:
+        kind = message[0]
+        if kind == "stats":
+            if self.on_step is not None:
+                try:
+                    self.on_step(message[1], message[2])
+                except Exception:   # a metrics hook must never stop the serving loop
+                    pass
+            return
+        stream = self._streams.get(message[1])
+        if stream is None:      # its consumer has gone
+            return
+        if kind == "accepted":
+            _, _, error, num_prompt_tokens = message
+            stream.num_prompt_tokens = num_prompt_tokens
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
+        elif kind == "output":
+            stream.send(message[2])
+        elif kind == "failed":
+            self._streams.pop(message[1], None)
+            stream.send(message[2])
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

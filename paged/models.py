@@ -146,6 +146,17 @@ def model_config(model, argument: str = "model"):
     raise not_a_model(model, argument)
 
 
+def model_tokenizer(model, argument: str = "model"):
+    """The tokenizer load_model would give `model` (None for a transformers model object: it has none)."""
+    if isinstance(model, str) and model == MODEL_NAME:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(convert_gguf_to_cache())
+    if isinstance(model, (str, os.PathLike)):
+        from .checkpoints import load_tokenizer, resolve_folder
+        return load_tokenizer(resolve_folder(os.fspath(model), argument))
+    return None
+
+
 def not_a_model(model, argument: str) -> ValueError:
     return ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
                       f"the local Hugging Face cache, or a transformers model object, got {model!r}")

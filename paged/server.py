@@ -55,6 +55,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from .async_engine import AsyncLLM, StreamOutput
+from .engine_core import AsyncMPClient
 from .lora import LoRARequest, read_adapter_config
 from .sampling import Logprob, SamplingParams
 from .token_budget import MAX_TOKEN_BUDGET, size_token_budget
@@ -347,9 +348,9 @@ class ServerMetrics:
             metric.labels(model_name)
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "num_preemptions": 0}
 
-    def on_step(self, engine, finished: list[StreamOutput]) -> None:
+    def on_step(self, stats: dict, finished: list[StreamOutput]) -> None:
+        """stats: the engine's kv_stats() after a turn of its loop; finished: the requests that ended in it."""
         name = self.model_name
-        stats = engine.kv_stats()
         self.running.labels(name).set(stats["num_running"])
         self.waiting.labels(name).set(stats["num_waiting"])
         self.kv_usage.labels(name).set(stats["usage"])
@@ -420,26 +421,34 @@ def surrogate_field(value, path: str = "") -> str | None:
 def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | None = None,
               api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI application serving `llm` (a paged.LLM; made with enable_lora=True if lora_modules are given)
-    under `model_name`, each adapter of lora_modules {name: folder} as a model of its own. allowed_hosts: the host
+    """The FastAPI application serving `llm` under `model_name`, each adapter of lora_modules {name: folder} as a
+    model of its own. `llm`: a paged.LLM (made with enable_lora=True if lora_modules are given), whose loop then runs
+    in a thread of this process (AsyncLLM), or an AsyncMPClient, an engine core in a process of its own that
+    registered the same adapters when it started (engine_core.py; `python -m paged serve`). allowed_hosts: the host
     names a request's Host header may give (loopback by default, so that a web page cannot reach a server on this
     machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
     if model_name in lora_modules:
         raise ValueError(f"lora_modules: the adapter name {model_name!r} is the served model's name; requests for "
                          f"the base model would run under the adapter. Give the adapter another name")
-    if lora_modules and llm.engine.lora is None:
-        raise ValueError("lora_modules needs an LLM made with enable_lora=True")
-    adapters = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(lora_modules.items())}
-    for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
-        llm.engine.lora.resolve(adapter)
+    adapters = lora_requests(lora_modules)
     metrics = ServerMetrics(model_name)
-    engine = llm.engine
-    tokenizer = llm.tokenizer
+    if isinstance(llm, AsyncMPClient):   # the engine runs in its own process, its adapters registered there
+        tokenizer, max_model_len, vocab_size = llm.tokenizer, llm.max_model_len, llm.vocab_size
+    else:
+        if lora_modules and llm.engine.lora is None:
+            raise ValueError("lora_modules needs an LLM made with enable_lora=True")
+        for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
+            llm.engine.lora.resolve(adapter)
+        tokenizer, max_model_len, vocab_size = llm.tokenizer, llm.engine.max_model_len, llm.engine.config.vocab_size
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        app.state.async_llm = AsyncLLM(engine, on_step=metrics.on_step)
+        if isinstance(llm, AsyncMPClient):
+            llm.on_step = metrics.on_step
+            app.state.async_llm = llm
+        else:
+            app.state.async_llm = AsyncLLM(llm.engine, on_step=metrics.on_step)
         yield
         app.state.async_llm.shutdown()
 
@@ -495,7 +504,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     async def health():
         problem = None if app.state.async_llm.is_running else "the engine loop has stopped"
         try:
-            llm.engine.check_health()
+            app.state.async_llm.check_health()
         except RuntimeError as error:   # a tensor-parallel worker died
             problem = str(error)
         return JSONResponse({"error": problem} if problem else {}, status_code=503 if problem else 200)
@@ -508,7 +517,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     async def models():
         created = int(time.time())
         cards = [{"id": model_name, "object": "model", "created": created, "owned_by": "paged",
-                  "root": model_name, "parent": None, "max_model_len": engine.max_model_len}]
+                  "root": model_name, "parent": None, "max_model_len": max_model_len}]
         cards += [{"id": name, "object": "model", "created": created, "owned_by": "paged",
                    "root": adapter.lora_path, "parent": model_name} for name, adapter in adapters.items()]
         return {"object": "list", "data": cards}
@@ -524,12 +533,11 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         ids = await asyncio.to_thread(
             lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         need_tokenizer("/detokenize")
-        vocab_size = engine.config.vocab_size
         if not all(0 <= t < vocab_size for t in body.tokens):
             raise BadRequest(f"tokens must lie in [0, {vocab_size}) (the model's vocabulary size)", "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
@@ -587,8 +595,8 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
                 prompt_token_ids(prompt, tokenizer)
         except ValueError as error:
             raise BadRequest(str(error), param) from None
-        if len(ids) >= engine.max_model_len:
-            raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {engine.max_model_len} "
+        if len(ids) >= max_model_len:
+            raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {max_model_len} "
                              f"(max_model_len) including at least one new token", param)
         return ids
 
@@ -829,6 +837,11 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int | None = No
         thread.join(timeout)
 
 
+def lora_requests(lora_modules: dict[str, str]) -> dict[str, LoRARequest]:
+    """{name: folder} -> {name: LoRARequest}, numbered from 1 in the order given."""
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(lora_modules.items())}
+
+
 def parse_lora_modules(items: list[str]) -> dict[str, str]:
     """["pirate=adapters/pirate", ...] -> {"pirate": "adapters/pirate"}."""
     modules = {}
@@ -877,7 +890,8 @@ def serving_llm(model="smollm2", **settings):
 
 
 def main(args) -> None:
-    """`python -m paged serve`: load the model, build the app, serve until interrupted."""
+    """`python -m paged serve`: start the engine core process (engine_core.py), which loads the model; build the app
+    over it; serve until interrupted."""
     lora_modules = parse_lora_modules(args.lora_modules or [])
     served_name = args.served_model_name or args.model
     if served_name in lora_modules:   # before the model loads
@@ -887,19 +901,21 @@ def main(args) -> None:
     if lora_modules:
         lora_kwargs = {"enable_lora": True, "max_loras": len(lora_modules),
                        "max_lora_rank": max(adapter_rank(p) for p in lora_modules.values())}
-    llm, sized = serving_llm(args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_chunked_prefill=args.enable_chunked_prefill,
-                             enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed,
-                             tensor_parallel_size=args.tensor_parallel_size, **lora_kwargs)
-    if sized is not None:
-        print(f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
-              f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)", flush=True)
-    loopback = args.host in LOOPBACK_HOSTS or args.host.startswith("127.")
-    app = build_app(llm, served_name, lora_modules, args.api_key,
-                    allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)
-    print(f"serving {served_name} on http://{args.host}:{args.port}/v1", flush=True)
+    settings = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_chunked_prefill=args.enable_chunked_prefill,
+                    enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed,
+                    tensor_parallel_size=args.tensor_parallel_size, **lora_kwargs)
+    client = AsyncMPClient.start(args.model, settings, lora_modules)
     try:
+        sized = client.token_budget
+        if sized is not None:
+            print(f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
+                  f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)", flush=True)
+        loopback = args.host in LOOPBACK_HOSTS or args.host.startswith("127.")
+        app = build_app(client, served_name, lora_modules, args.api_key,
+                        allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)
+        print(f"serving {served_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        llm.shutdown()
+        client.shutdown()
