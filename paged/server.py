@@ -2,8 +2,9 @@
 
     python -m paged serve --port 8000 [--api-key KEY] [--lora-modules pirate=adapters/pirate]
 
-FastAPI and uvicorn carry the HTTP; `AsyncLLM` (async_engine.py) steps the engine in a background thread while
-requests come and go, so every client shares every step. Routes, as vLLM's server names them:
+FastAPI and uvicorn carry the HTTP; an engine loop (async_engine.py) steps the engine while requests come and go, so
+every client shares every step: in an engine core process of its own under `python -m paged serve` (engine_core.py),
+in a thread of this process for build_app(llm) in a notebook or a test. Routes, as vLLM's server names them:
   POST /v1/completions        prompt (text, or a list of token ids) -> text
   POST /v1/chat/completions   messages -> the tokenizer's chat template -> text
   GET  /v1/models             the base model and each LoRA adapter, served by name (guide §16)
