@@ -435,6 +435,8 @@ class AsyncLLM:
         as vLLM does."""
         if self._closed.is_set() or not self.is_running:
             raise RuntimeError("the engine loop has stopped")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(request_id or uuid.uuid4().hex, params, tuple(stop), self.tokenizer,
                          asyncio.get_running_loop())
         self._streams[stream.request_id] = stream
@@ -520,13 +522,14 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
         elif kind == "output":
             stream.send(message[2])
-        elif kind == "failed":
+        elif kind == "failed":   # whether it was waiting to be taken or already running
             self._streams.pop(message[1], None)
+            stream.loop.call_soon_threadsafe(_settle, stream.accepted, message[2])
             stream.send(message[2])
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    if future.cancelled():
+    if future.done():   # cancelled by its caller, or already failed with the engine
         return
     if error is None:
         future.set_result(None)

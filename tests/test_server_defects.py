@@ -233,3 +233,17 @@ def test_logprob_bytes_of_a_token_holding_part_of_a_character_are_its_own(smollm
         content = answer.json()["choices"][0]["logprobs"]["content"]
         assert bytes(b for item in content for b in item["bytes"]).decode("utf-8", errors="strict") == \
             answer.json()["choices"][0]["message"]["content"]
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_keeps_its_tokens(tiny):
+    with serve_in_thread(build_app(tiny, "m")) as url, ThreadPoolExecutor(1) as pool:
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 60, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True}
+        first = pool.submit(post, url, "/v1/completions", body, headers={"x-request-id": "same"})
+        deadline = time.monotonic() + DEADLINE_S
+        while not tiny.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        second = post(url, "/v1/completions", body, headers={"x-request-id": "same"})
+        assert_error(second, 400, "request_id", "already in use")
+        assert len(first.result(timeout=DEADLINE_S).json()["choices"][0]["token_ids"]) == 60
+        assert_serving(url)
