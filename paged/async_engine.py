@@ -224,13 +224,14 @@ class EngineLoop:
     runs `step()` while anything is unfinished, and after each step emits each request's new token ids. It emits
     messages through `emit`, a function of one tuple, from its own thread:
         ("accepted", request_id, error or None, number of prompt tokens)
-        ("output", request_id, EngineOutput)
+        ("outputs", [(request_id, EngineOutput), ...])   after a step: each request that gained something
         ("failed", request_id, error)          a step failed (and was undone): the request is aborted
-        ("stats", engine.kv_stats(), [StreamOutput of each request that ended])   after each turn that did anything
+        ("stats", engine.kv_stats(), [StreamOutput of each request that ended])   after each turn that did anything,
+                                                                                   when made with stats=True
     In a thread of the server's process (AsyncLLM) or in a process of its own (engine_core.py), the same loop."""
 
-    def __init__(self, engine: LLMEngine, emit):
-        self.engine, self.emit = engine, emit
+    def __init__(self, engine: LLMEngine, emit, stats: bool = True):
+        self.engine, self.emit, self.stats = engine, emit, stats
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stopped = threading.Event()
         self.steps: collections.deque[LoopStep] = collections.deque(maxlen=NUM_TRACED_STEPS)  # the latest, in order
@@ -273,11 +274,11 @@ class EngineLoop:
                     step_time = time.perf_counter() - step_start
                     step = read_step(self.engine, self.engine.num_steps, clock_start, step_time, finished)
                     news = self._collect()
-            if messages or news:   # the hook first: when a client has its last token, /metrics counts it
+            if self.stats and (messages or news):   # first: when a client has its last token, /metrics counts it
                 self.emit(("stats", self.engine.kv_stats(),
                            ended + [output.finished for _, output in news if output.finished is not None]))
-            for request_id, output in news:
-                self.emit(("output", request_id, output))
+            if news:
+                self.emit(("outputs", news))
             if step is not None:
                 scheduler = self.engine.scheduler
                 self.steps.append(LoopStep(step, self.engine.last_forward_time,
@@ -397,7 +398,7 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}      # requests whose consumer still listens
         self._closed = threading.Event()
         self.engine = engine
-        self._core = EngineLoop(engine, self._dispatch)
+        self._core = EngineLoop(engine, self._dispatch, stats=on_step is not None)
         self._inbox = self._core.inbox
         self.steps = self._core.steps
         self._thread = threading.Thread(target=self._core.run, name="paged-engine-loop", daemon=True)
@@ -513,6 +514,12 @@ class AsyncLLM:
                 except Exception:   # a metrics hook must never stop the serving loop
                     pass
             return
+        if kind == "outputs":
+            for request_id, output in message[1]:
+                stream = self._streams.get(request_id)
+                if stream is not None:      # else its consumer has gone
+                    stream.send(output)
+            return
         stream = self._streams.get(message[1])
         if stream is None:      # its consumer has gone
             return
@@ -520,8 +527,6 @@ class AsyncLLM:
             _, _, error, num_prompt_tokens = message
             stream.num_prompt_tokens = num_prompt_tokens
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, error)
-        elif kind == "output":
-            stream.send(message[2])
         elif kind == "failed":   # whether it was waiting to be taken or already running
             self._streams.pop(message[1], None)
             stream.loop.call_soon_threadsafe(_settle, stream.accepted, message[2])

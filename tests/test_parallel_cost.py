@@ -6,7 +6,7 @@ import multiprocessing
 
 import pytest
 
-from paged.geometry import H100_MEMORY, GiB, KiB, MiB, KVGeometry
+from paged.geometry import GiB, KiB, MiB, KVGeometry
 from paged.parallel_cost import (H100_NVLINK, LLAMA3_70B, NVLINK4_H100_ONE_WAY, SMOLLM2, AllReduceTimes, Link,
                                  all_reduce_bytes, all_reduce_seconds, all_reduces_per_step, blocks_per_rank,
                                  bytes_per_token_per_rank, deployment, first_replicating_tp_size, fit_all_reduce,
