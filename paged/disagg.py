@@ -43,7 +43,6 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -314,9 +313,10 @@ def check_engine_args(config, block_size: int, device: torch.device, engine_args
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None, got {backend!r}")
     if backend == "cpu" and device.type != "cpu":
         raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the workers run on {device}")
-    if settings.num_blocks is None:  # the pool must hold a block of this model (pool_blocks reads config and dtype)
-        pool_blocks(SimpleNamespace(config=config, dtype=dtype), settings.kv_cache_memory, block_size)
-    settings.offload.check_blocks(KVGeometry.from_config(config, dtype).block_bytes(block_size))
+    geometry = KVGeometry.from_config(config, dtype)
+    if settings.num_blocks is None:  # the pool must hold a block of this model
+        pool_blocks(geometry, settings.kv_cache_memory, block_size)
+    settings.offload.check_blocks(geometry.block_bytes(block_size))
     return settings, model_args
 
 

@@ -54,7 +54,7 @@ class LLMEngine:
             raise ValueError(f"give config or its settings ({', '.join(sorted(settings))}), not both")
         num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = pool_blocks(model, config.kv_cache_memory, config.block_size)
+            num_blocks = pool_blocks(model_geometry(model), config.kv_cache_memory, config.block_size)
         self.config = config = config.for_model(model.max_position, model.vocab_size,
                                                 eos_token_ids(model.config), num_blocks)
         self.model = model
@@ -490,10 +490,14 @@ def eos_token_ids(config) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def pool_blocks(model: PagedLlama, kv_cache_memory, block_size) -> int:
-    """How many blocks kv_cache_memory bytes of K/V pool hold for this model (for one rank's shard: its KV heads)."""
-    geometry = KVGeometry(num_layers=len(model.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                          element_bytes=dtype_bytes(model.dtype), num_attention_heads=model.num_heads)
+def model_geometry(model: PagedLlama) -> KVGeometry:
+    """The K/V layout of a model's pool (for one rank's shard: its KV heads)."""
+    return KVGeometry(num_layers=len(model.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                      element_bytes=dtype_bytes(model.dtype), num_attention_heads=model.num_heads)
+
+
+def pool_blocks(geometry: KVGeometry, kv_cache_memory, block_size) -> int:
+    """How many blocks kv_cache_memory bytes of K/V pool hold for this layout."""
     budget = real("kv_cache_memory", kv_cache_memory)
     block_bytes = geometry.block_bytes(block_size)
     if budget < block_bytes:
