@@ -106,7 +106,7 @@ def first_sentence(text: str) -> str:
 @torch.no_grad()
 def greedy(model, tokenizer, instructions: list[str], max_new_tokens: int) -> list[str]:
     """Greedy answers to each instruction under the chat template, one batch, left-padded."""
-    from paged.models import chat_prompt
+    from paged.model.loader import chat_prompt
 
     tokenizer.padding_side = "left"
     prompts = [chat_prompt(tokenizer, instruction) for instruction in instructions]
@@ -132,7 +132,7 @@ def base_answers(model, tokenizer, fresh: bool = False) -> list[str]:
 def training_examples(tokenizer, answers: list[str], rewrite) -> list[tuple[list[int], list[int]]]:
     """(input ids, labels) per instruction: the chat prompt, then the rewritten answer and <|im_end|>; the prompt's
     labels are -100, so the loss is on the answer alone."""
-    from paged.models import chat_prompt
+    from paged.model.loader import chat_prompt
 
     examples = []
     for instruction, answer in zip(INSTRUCTIONS, answers):
@@ -249,7 +249,7 @@ def check(base, tokenizer, names: list[str], instructions: list[str]) -> dict[st
 
 
 def main() -> None:
-    from paged.models import load_hf_model
+    from paged.model.loader import load_hf_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(BY_NAME), action="append", help="train only these adapters")

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from paged import LLM, LoRARequest, SamplingParams
 from paged.lora import TARGET_MODULES, LoRASlots
-from paged.models import load_hf_model
+from paged.model.loader import load_hf_model
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

@@ -18,13 +18,21 @@ from pathlib import Path
 import torch
 
 from paged import LLM
-from paged.block_manager import cdiv
+from paged.analysis.offload_cost import (
+    LLAMA3_70B_LAYER_WEIGHTS,
+    PCIE5_X16_BANDWIDTH,
+    PREFILL_MFU,
+    crossover_tokens,
+    gpu_recompute_seconds,
+    gpu_swap_seconds,
+    layer_weights,
+    measure_swap_and_recompute,
+    measure_ttft,
+)
+from paged.core.block_manager import cdiv
 from paged.geometry import KVGeometry, format_bytes
-from paged.models import load_hf_model
+from paged.model.loader import load_hf_model
 from paged.offload import KVTier
-from paged.offload_cost import (LLAMA3_70B_LAYER_WEIGHTS, PCIE5_X16_BANDWIDTH, PREFILL_MFU, crossover_tokens,
-                                gpu_recompute_seconds, gpu_swap_seconds, layer_weights, measure_swap_and_recompute,
-                                measure_ttft)
 
 
 def main() -> None:

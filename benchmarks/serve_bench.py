@@ -3,7 +3,7 @@
     python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --num-prompts 32 --request-rate 2
     python benchmarks/serve_bench.py --base-url ... --max-concurrency 8 --result-json paged.json --label paged
 
-Prompts are random token ids with ShareGPT-like lengths (paged.traces; --profile alpaca for short ones), each
+Prompts are random token ids with ShareGPT-like lengths (paged.analysis.traces; --profile alpaca for short ones), each
 asking for exactly its trace output length. Arrivals are Poisson at --request-rate (default: all at once), or a
 fixed number in flight with --max-concurrency. Prints request and output throughput, TTFT / TPOT / ITL / e2e
 (mean, median, p90, p99) and goodput under the SLO given by --slo-ttft and --slo-tpot (seconds).
@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged.http_load import first_model, make_requests, run_load  # noqa: E402
-from paged.metrics import SLO  # noqa: E402
+from paged.analysis.load_client import first_model, make_requests, run_load  # noqa: E402
+from paged.engine.metrics import SLO  # noqa: E402
 
 ROWS = [("successful requests", "requests", "{:.0f}"), ("failed requests", "failures", "{:.0f}"),
         ("duration (s)", "duration_s", "{:.2f}"), ("request throughput (req/s)", "throughput_rps", "{:.3f}"),

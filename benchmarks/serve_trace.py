@@ -4,14 +4,14 @@
     python benchmarks/serve_trace.py --policies whole chunked-2048 sized --out benchmarks/results/serve_trace.json
 
 The server (`build_app` over `serving_llm`, as `python -m paged serve` builds it) runs in this process, and
-`paged.http_load` sends it streamed requests over HTTP. The serving loop keeps a record of each step
+`paged.analysis.load_client` sends it streamed requests over HTTP. The serving loop keeps a record of each step
 (`AsyncLLM.steps`): the prompt tokens and decodes it ran, its wall time, the part spent in the forward pass, and the
 loop's own work around it. For each scheduling policy asked for, printed: the steps by kind (decodes only, prompt
 tokens only, both), their time, the most prompt tokens one step ran while streams waited, the time per step spent
 outside the forward pass, and the client's TTFT and ITL percentiles, which these steps explain. The policies:
   whole          every prompt in one step, at most 2048 tokens a step (the server's old default)
   chunked-2048   prompts chunked to fill a budget of 2048 tokens a step
-  sized          prompts chunked under the budget sized for this machine (token_budget.py; the server's default)
+  sized          prompts chunked under the budget sized for this machine (serving/token_budget.py; the server's default)
 --out writes every policy's steps and summary as JSON (chapter 13 draws benchmarks/results/serve_trace.json).
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged.http_load import make_requests, run_load  # noqa: E402
-from paged.server import build_app, serve_in_thread, serving_llm  # noqa: E402
+from paged.analysis.load_client import make_requests, run_load  # noqa: E402
+from paged.serving.api_server import build_app, serve_in_thread, serving_llm  # noqa: E402
 
 POLICIES = {"whole": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
             "chunked-2048": {"enable_chunked_prefill": True, "max_num_batched_tokens": 2048},

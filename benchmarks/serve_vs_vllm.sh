@@ -47,7 +47,7 @@ done
 if [ "$all" = 1 ]; then OUT_JSON=${OUT_JSON:-benchmarks/results/serve_vs_vllm.json}
 else OUT_JSON=${OUT_JSON:-benchmarks/results/serve_vs_vllm_subset.json}; fi
 rm -rf "$OUT" && mkdir -p "$OUT"
-MODEL_DIR=$($PY -c "from paged.models import convert_gguf_to_cache; print(convert_gguf_to_cache())")
+MODEL_DIR=$($PY -c "from paged.model.loader import convert_gguf_to_cache; print(convert_gguf_to_cache())")
 if runs sharegpt; then   # lengths counted by the model's tokenizer, so written for this model, every run
   $PY benchmarks/sharegpt_like.py --tokenizer "$MODEL_DIR" --out "$SHAREGPT_FILE"
 fi

@@ -4,7 +4,7 @@
 
 This is NOT ShareGPT: there is no network here, and the project ships no data. It is a list of
 {"id", "conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]} whose prompt and reply
-lengths are those benchmarks/serve_bench.py draws (paged.http_load.make_requests: paged.traces' ShareGPT-like
+lengths are those benchmarks/serve_bench.py draws (paged.analysis.load_client.make_requests: paged.analysis.traces' ShareGPT-like
 log-normal lengths, clipped to --max-input-len and --max-output-len), and whose text is words of the model's
 tokenizer, each one token both at the start of a text and after a space, so that the tokenizer cuts "w1 w2 ... wn"
 into exactly n tokens. vLLM's sharegpt loader counts a prompt's tokens with the tokenizer (no special tokens are
@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged.http_load import make_requests  # noqa: E402
+from paged.analysis.load_client import make_requests  # noqa: E402
 
 MIN_WORD_LETTERS = 4   # shorter single tokens are mostly pieces of words ("equ", "lig")
 

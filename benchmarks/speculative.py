@@ -17,9 +17,9 @@ with t_decode the time of a plain decode step at this batch size, t_verify the t
 tokens per sequence and t_draft the proposer's time, all measured here. A verify is nearly free while decoding
 is bound by reading weights (small batches) and costs k + 1 decodes once it is bound by compute (large
 batches): that is where speculation stops paying. The last table times single forward passes (a decode step and
-a verify step, `paged.speculative_cost.measure_step`) at batch sizes up to --cost-batches' largest, and says for each
+a verify step, `paged.analysis.speculative_cost.measure_step`) at batch sizes up to --cost-batches' largest, and says for each
 measured acceptance rate the first batch size at which speculation stops paying, beside what the fitted step
-cost of paged.step_cost predicts (`crossover_batch`). On a machine shared with other work only ratios in one run count.
+cost of paged.analysis.step_cost predicts (`crossover_batch`). On a machine shared with other work only ratios in one run count.
 """
 
 import argparse
@@ -28,9 +28,9 @@ import time
 import torch
 
 from paged import LLM, SamplingParams
-from paged.models import chat_prompt, load_hf_model
-from paged.speculative_cost import crossover_batch, expected_tokens, measure_step, verify_speedup
-from paged.step_cost import SMOLLM2_CPU
+from paged.analysis.speculative_cost import crossover_batch, expected_tokens, measure_step, verify_speedup
+from paged.analysis.step_cost import SMOLLM2_CPU
+from paged.model.loader import chat_prompt, load_hf_model
 
 PASSAGE = ("The lighthouse stood on a narrow spit of rock at the edge of the bay. Every night its keeper climbed "
            "the one hundred and twelve steps to the lamp room, trimmed the wick, polished the great lens and "

@@ -1,10 +1,10 @@
-"""Measure the StepCost of SmolLM2 on this machine (paged/step_cost.py, guide §13): time real engine steps of
+"""Measure the StepCost of SmolLM2 on this machine (paged/analysis/step_cost.py, guide §13): time real engine steps of
 known shapes (lone prefills of several lengths, decode batches of several sizes and contexts) and fit
 
     seconds = fixed + per_token * batched tokens + per_seq * sequences + per_pair * attended (query, key) pairs
 
 by least squares. Each shape runs `--repeats` times and keeps its fastest time, which shrugs off other processes
-sharing the CPU. paged.step_cost.SMOLLM2_CPU holds what this printed once on a 2-core CPU; the simulated clock
+sharing the CPU. paged.analysis.step_cost.SMOLLM2_CPU holds what this printed once on a 2-core CPU; the simulated clock
 charges those constants, so the chapters' numbers do not depend on the machine that runs them.
 
     python benchmarks/step_cost.py [--repeats 3]
@@ -15,9 +15,9 @@ import argparse
 import numpy as np
 
 from paged import LLM
-from paged.metrics import replay
-from paged.step_cost import SMOLLM2_CPU, StepCost
-from paged.traces import TraceRequest
+from paged.analysis.replay import replay
+from paged.analysis.step_cost import SMOLLM2_CPU, StepCost
+from paged.analysis.traces import TraceRequest
 
 
 def shapes() -> list[list[TraceRequest]]:
@@ -39,7 +39,7 @@ def main():
     steps = [min(same, key=lambda s: s.duration) for same in zip(*runs)]   # the same shapes, step by step
     fitted = StepCost.fit(steps)
     print(f"{len(steps)} step shapes, fastest of {args.repeats}; fitted: {fitted}")
-    print(f"in paged.step_cost: {SMOLLM2_CPU}")
+    print(f"in paged.analysis.step_cost: {SMOLLM2_CPU}")
     print(f"{'tokens':>7} {'seqs':>5} {'pairs':>9} {'measured s':>11} {'fitted s':>9} {'SMOLLM2_CPU s':>14}")
     for s in steps:
         shape = (s.num_batched_tokens, s.num_seqs, s.num_pairs)

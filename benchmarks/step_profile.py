@@ -4,7 +4,7 @@ op (torch's own, and the C++ kernel's) put in the part of the forward pass it se
     python benchmarks/step_profile.py                          # 64 chat prompts, steps 59-68 of 128
     python benchmarks/step_profile.py --num-prompts 16 --steps 3
     python benchmarks/step_profile.py --attention-backend torch   # the torch reference: gather, then SDPA
-    python benchmarks/step_profile.py --no-packed-weights      # F.linear on plain weights (packed_linear.py)
+    python benchmarks/step_profile.py --no-packed-weights      # F.linear on plain weights (model/packed_linear.py)
     python benchmarks/step_profile.py --dtype bfloat16 --threads 1
 
 The engine runs the benchmark's chat prompts to the middle of their decode, times a few steps plainly, then profiles
@@ -21,20 +21,20 @@ import os
 import time
 
 import torch
+from throughput import chat_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from paged import LLM, SamplingParams
-from paged.models import load_hf_model
-from throughput import chat_prompts
+from paged.model.loader import load_hf_model
 
-PARTS = {  # aten op -> what it does in a decode step of paged/model.py, whichever attention runs
+PARTS = {  # aten op -> what it does in a decode step of paged/model/llama.py, whichever attention runs
     "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
     "mkldnn::_linear_pointwise": "matmuls (QKV, O, gate/up, down, LM head)",   # on weights packed for oneDNN
     "aten::amax": "sampling",      # greedy_tokens: each chunk's maximum, then argmax over chunks and within one
     "aten::argmax": "sampling",
 }
 ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
-    "torch": {  # paged/attention.py
+    "torch": {  # paged/model/attention.py
         "aten::index_select": "K/V gather through the block tables",
         "aten::embedding": "K/V gather through the block tables",
         "aten::_scaled_dot_product_flash_attention_for_cpu": "attention itself (SDPA)",
@@ -101,7 +101,7 @@ def main():
                         help="the C++ kernel (the default on a CPU) or the torch reference")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--no-packed-weights", action="store_true",
-                        help="F.linear on plain weights instead of oneDNN's packed ones (paged/packed_linear.py)")
+                        help="F.linear on plain weights instead of oneDNN's packed ones (paged/model/packed_linear.py)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.no_packed_weights:

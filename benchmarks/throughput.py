@@ -6,7 +6,7 @@
 
 Same prompts, same output lengths (EOS ignored everywhere), same weights and dtype. Two workloads:
   fixed    64 chat prompts, 128 new tokens each, all admitted at once
-  steady   256 chat requests whose output lengths follow ShareGPT's (paged.traces) scaled to at most 256 tokens,
+  steady   256 chat requests whose output lengths follow ShareGPT's (paged.analysis.traces) scaled to at most 256 tokens,
            each request's length the same for every engine, 64 running at a time: continuous batchers refill a
            finished request's place, static batching waits for the longest request of each batch (the paper's case)
 The paged engine runs with its defaults (the C++ attention kernel on a CPU), with the torch reference attention,
@@ -30,10 +30,10 @@ import time
 import torch
 
 from paged import LLM, SamplingParams
-from paged.models import chat_prompt, load_hf_model
-from paged.model import PagedLlama
-from paged.packed_linear import linear
-from paged.traces import sharegpt_trace
+from paged.analysis.traces import sharegpt_trace
+from paged.model.llama import PagedLlama
+from paged.model.loader import chat_prompt, load_hf_model
+from paged.model.packed_linear import linear
 
 TOPICS = ["the ocean", "volcanoes", "the history of tea", "black holes", "bees", "the printing press", "jazz",
           "glaciers", "the Roman roads", "photosynthesis", "chess openings", "the moon landing", "origami",
@@ -54,7 +54,7 @@ def timed(fn):
 
 
 def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
-    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.traces), scaled so that 1,024 becomes cap."""
+    """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.analysis.traces), scaled so that 1,024 becomes cap."""
     trace = sharegpt_trace(count, seed=seed)
     high = 2048 - 2048 // 2                                 # the trace's output clip, max_model_len - max_input_len
     return [max(1, round(r.output_len * cap / high)) for r in trace]
@@ -129,7 +129,7 @@ def run_hf_single(model, prompt, max_tokens):
 
 class Matmuls:
     """The model's matmuls alone (QKV, O, gate/up, down in every layer; the LM head), timed at any batch shape, with
-    the weights packed as the engine packs them (paged/packed_linear.py)."""
+    the weights packed as the engine packs them (paged/model/packed_linear.py)."""
 
     def __init__(self, model):
         paged = PagedLlama(model)   # the engine's own fused (and, where it packs, packed) weights
@@ -168,8 +168,10 @@ class Matmuls:
 def ttft_prefix_hit(model, tokenizer, system_tokens: int = 1500):
     """Seconds to the first token of a chat request whose long system prompt is cold, then cached."""
     system = " ".join(["Answer carefully, cite your reasoning, and keep to the facts."] * (system_tokens // 12))
-    messages = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
-    prompt = lambda q: tokenizer.apply_chat_template(messages(q), tokenize=False, add_generation_prompt=True)
+    def messages(q):
+        return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+    def prompt(q):
+        return tokenizer.apply_chat_template(messages(q), tokenize=False, add_generation_prompt=True)
     llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, enable_prefix_caching=True,
               num_blocks=512)
     params = SamplingParams(max_tokens=1, temperature=0.0)

@@ -11,7 +11,7 @@ through VLLM_CPU_OMP_THREADS_BIND, this engine's through torch.set_num_threads),
 Starting an engine (loading, vLLM's torch.compile) is not timed; one short warm-up generate is run and not timed.
 Workloads, as in benchmarks/throughput.py:
   fixed    64 chat prompts x 128 new tokens, all admitted at once
-  steady   256 chat requests with ShareGPT-like output lengths (paged.traces, scaled to <= 256), 64 running
+  steady   256 chat requests with ShareGPT-like output lengths (paged.analysis.traces, scaled to <= 256), 64 running
   prefix   the fixed workload behind one shared ~450-token system prompt, prefix caching on in both engines
            (off in both for the other two)
 For each configuration it prints output tok/s of each engine (median of its turns) and the ratio, TTFT and TPOT
@@ -48,7 +48,8 @@ SYSTEM_PROMPT = " ".join(["You are a careful assistant: answer briefly, give rea
 
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    pick = lambda p: ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+    def pick(p):
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
     return {"p50": pick(50), "p90": pick(90), "p99": pick(99)}
 
 
@@ -80,7 +81,7 @@ def worker_ceiling(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     from throughput import Matmuls
 
-    from paged.models import load_hf_model
+    from paged.model.loader import load_hf_model
     model, _ = load_hf_model(dtype=getattr(torch, spec["dtype"]))
     return {"seconds": Matmuls(model).workload_seconds([tuple(step) for step in spec["steps"]])}
 
@@ -123,7 +124,7 @@ def workloads(names: list[str]) -> dict[str, dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from throughput import ASKS, TOPICS, chat_prompts, steady_lengths
 
-    from paged.models import convert_gguf_to_cache, load_hf_model
+    from paged.model.loader import convert_gguf_to_cache, load_hf_model
     _, tokenizer = load_hf_model()
     made = {}
     for name in names:
@@ -174,7 +175,8 @@ def margins(spec: dict, dtype: str, differences: list[dict]) -> None:
     """Each difference's logit margin under transformers in the same dtype: logit(ours) - logit(vLLM's) at the
     first position where the two completions part."""
     import torch
-    from paged.models import load_hf_model
+
+    from paged.model.loader import load_hf_model
     model, _ = load_hf_model(dtype=getattr(torch, dtype))
     for difference in differences:
         context = spec["prompts"][difference["request"]] + difference["common_prefix"]
@@ -225,7 +227,8 @@ def compare(name: str, spec: dict, dtype: str, threads: int, turns: int, vllm_py
 
 
 def report(row: dict) -> None:
-    ms = lambda s: f"{s * 1e3:.0f} ms"
+    def ms(s):
+        return f"{s * 1e3:.0f} ms"
     print(f"{row['workload']:>7} {row['dtype']:>9} {row['threads']} thr: paged {row['paged']['tok_s']:7.1f} tok/s, "
           f"vLLM {row['vllm']['tok_s']:7.1f} tok/s, paged/vLLM {row['ratio']:.2f}x; "
           f"identical {row['identical']}/{row['num_requests']}")
@@ -233,7 +236,8 @@ def report(row: dict) -> None:
         ttft, tpot = row[engine]["ttft_s"], row[engine]["tpot_s"]
         print(f"{'':>20}{engine:>6}: TTFT p50 {ms(ttft['p50'])} p99 {ms(ttft['p99'])}, "
               f"TPOT p50 {ms(tpot['p50'])} p99 {ms(tpot['p99'])}")
-    share = lambda engine: row[engine]["tok_s"] / row["ceiling_tok_s"]
+    def share(engine):
+        return row[engine]["tok_s"] / row["ceiling_tok_s"]
     turns = ", ".join(f"{rate:.1f}" for rate in row["ceiling_tok_s_turns"])
     print(f"{'':>20}matmul-only ceiling over this engine's steps {row['ceiling_tok_s']:7.1f} tok/s (turns: {turns}): "
           f"paged at {share('paged'):.0%} of it, vLLM at {share('vllm'):.0%}")
@@ -249,7 +253,8 @@ def engine_commit() -> str:
     its paged/ had uncommitted changes; "unknown" outside a git checkout."""
     import paged
     root = Path(paged.__file__).resolve().parents[1]
-    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
     try:
         commit = git("rev-parse", "--short", "HEAD").strip()
         changed = git("status", "--porcelain", "--untracked-files=no", "--", "paged").strip()
@@ -270,7 +275,8 @@ def save(rows: list[dict], out: str) -> None:
         row.setdefault("command", command)
         row.setdefault("date", time.strftime("%Y-%m-%d"))
         row.setdefault("commit", commit)
-    key = lambda row: (row["workload"], row["dtype"], row["threads"])
+    def key(row):
+        return (row["workload"], row["dtype"], row["threads"])
     path = Path(out)
     cpu = cpu_description()
     machines = json.loads(path.read_text())["machines"] if path.exists() else []

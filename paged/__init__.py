@@ -1,8 +1,8 @@
 """paged: PagedAttention from first principles. A small, real inference engine with vLLM's offline API."""
 
-from .config import EngineConfig
-from .engine import LLM, LLMEngine
-from .lora import LoRARequest
-from .sampling import SamplingParams
+from paged.config import EngineConfig
+from paged.engine.llm_engine import LLM, LLMEngine
+from paged.lora import LoRARequest
+from paged.sampling_params import SamplingParams
 
 __all__ = ["EngineConfig", "LLM", "LLMEngine", "LoRARequest", "SamplingParams"]

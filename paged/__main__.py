@@ -3,7 +3,7 @@
 demo      answers a few chat prompts with SmolLM2 through the paged engine and shows where their K/V lived:
           each request's block table, the pool's occupancy, and the bytes paging used against naive reservation.
 generate  answers your own prompts (chat template applied) and prints the text.
-serve     an OpenAI-compatible HTTP server on 127.0.0.1:8000 (paged/server.py; --help for its options).
+serve     an OpenAI-compatible HTTP server on 127.0.0.1:8000 (paged/serving/api_server.py; --help for its options).
           All three take --model: a checkpoint folder or a model in the local Hugging Face cache (Llama,
           Mistral, Qwen2, Qwen3) instead of SmolLM2.
 worker    one rank of a tensor-parallel engine on another machine, started as torchrun starts a rank
@@ -34,7 +34,7 @@ def pool_map(num_blocks: int, owner_of_block: dict[int, str], width: int = 64) -
 
 def run_demo(args) -> None:
     from paged import LLM, SamplingParams
-    from paged.models import chat_prompt
+    from paged.model.loader import chat_prompt
 
     started = time.perf_counter()
     llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
@@ -92,7 +92,7 @@ def run_demo(args) -> None:
 
 def run_generate(args) -> None:
     from paged import LLM, SamplingParams
-    from paged.models import chat_prompt
+    from paged.model.loader import chat_prompt
 
     llm = LLM(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -103,7 +103,7 @@ def run_generate(args) -> None:
 
 
 def run_serve(args) -> None:
-    from paged.server import main as serve
+    from paged.serving.api_server import main as serve
     serve(args)
 
 
@@ -121,7 +121,7 @@ def run_bench(args) -> None:
 def run_worker(args) -> None:
     import os
 
-    from paged.multiproc_executor import TORCHRUN_VARIABLES, run_worker
+    from paged.engine.multiproc_executor import TORCHRUN_VARIABLES, run_worker
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise ValueError(f"worker needs {', '.join(missing)} in the environment, as torchrun sets them")
@@ -133,13 +133,13 @@ def run_worker(args) -> None:
 
 
 def run_setup(args) -> None:
-    from paged.models import convert_gguf_to_cache
+    from paged.model.loader import convert_gguf_to_cache
     print(f"model cache: {convert_gguf_to_cache(force=args.force)}")
 
 
 def main(argv=None) -> None:
-    from paged.server import server_defaults
-    from paged.token_budget import STEP_TARGET_S
+    from paged.serving.api_server import server_defaults
+    from paged.serving.token_budget import STEP_TARGET_S
 
     parser = argparse.ArgumentParser(prog="python -m paged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/server.py)", description=(
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server (see paged/serving/api_server.py)", description=(
         "An OpenAI-compatible server. Its engine settings are a server's own, as vllm serve's are, not LLM's "
         "offline defaults: every prompt is chunked under a token budget sized for this machine at start-up, so "
         "that no step keeps the streams waiting long; prefix caching is on; up to 128 sequences run at once."))
@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help=f"tokens one step computes at most (default: sized for this machine at start-up: "
                             f"the most whole blocks of tokens whose step takes about {STEP_TARGET_S} s, "
-                            f"paged/token_budget.py)")
+                            f"paged/serving/token_budget.py)")
     serve.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=defaults["enable_chunked_prefill"],
                        help="prompts longer than what is left of a step's budget run in chunks (default: on)")

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import cdiv
-from .validation import integer, real
-from .sampling import SamplingParams
-from .sequence import Sequence
-from .sharing import BlockSteps
+from paged.core.block_manager import cdiv
+from paged.core.sequence import Sequence
+from paged.sampling_params import SamplingParams
+from paged.validation import integer, real
 
 
 @dataclass
@@ -168,5 +167,5 @@ def _record_usage(engine, beams, history) -> None:
     """Blocks held at the forward pass, when every copy-on-write copy of this step has been made."""
     if not beams or beams[0][0].is_waiting:
         return  # finished, or its prompt waits for room in the token budget
-    held = BlockSteps.of(engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams)
-    history.append((held.physical, held.logical))
+    tables = [engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams]
+    history.append((len({block for table in tables for block in table}), sum(map(len, tables))))   # (physical, logical)

@@ -13,11 +13,11 @@ tokens and the pool's block count), and `check_prompt` then holds every check a 
 import dataclasses
 from dataclasses import dataclass, field
 
-from .block_manager import cdiv
-from .validation import block_size_of, integer, real
-from .lora import MAX_LORA_RANK, MAX_LORAS
-from .offload import OffloadConfig
-from .speculative import SpeculativeConfig
+from paged.core.block_manager import cdiv
+from paged.lora import MAX_LORA_RANK, MAX_LORAS
+from paged.offload import OffloadConfig
+from paged.speculative import SpeculativeConfig
+from paged.validation import block_size_of, integer, real
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
 

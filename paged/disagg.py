@@ -49,14 +49,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
-from .block_manager import cdiv
-from .config import SETTINGS, EngineConfig
-from .geometry import KVGeometry
-from .kv_connector import KVConsumer, KVProducer
-from .validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
-from .model import ATTENTION_BACKENDS, check_model
-from .sampling import SamplingParams, decode_logprobs
-from .sequence import Request, RequestMetrics, RequestOutput
+from paged.config import SETTINGS, EngineConfig
+from paged.core.block_manager import cdiv
+from paged.core.sequence import Request, RequestMetrics, RequestOutput
+from paged.engine.sampler import decode_logprobs
+from paged.geometry import KVGeometry
+from paged.kv_connector import KVConsumer, KVProducer
+from paged.model.llama import ATTENTION_BACKENDS, check_model
+from paged.sampling_params import SamplingParams
+from paged.validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 HEARTBEAT_S = 1.0  # a busy worker says it is alive at least this often
@@ -106,7 +107,7 @@ def kv_digest(kv: torch.Tensor) -> str:
 # ---- the workers (each in its own process) -------------------------------------------------------------------------
 
 def _build_llm(model_spec, device, config: EngineConfig, model_args: dict, kv_connector):
-    from .engine import LLM
+    from paged.engine.llm_engine import LLM
     if model_spec == "smollm2":
         model = "smollm2"
     else:
@@ -290,7 +291,7 @@ def check_engine_args(config, block_size: int, device: torch.device, engine_args
     """Make, in the caller, every check the workers' engines would make on engine_args that needs no engine, so that
     a bad argument is a ValueError naming it before any worker is spawned. config: the model's (a LlamaConfig).
     Returns the engines' EngineConfig and the arguments that build the model (dtype, attention_backend)."""
-    from .engine import LLM, pool_blocks
+    from paged.engine.llm_engine import LLM, pool_blocks
     parameters = inspect.signature(LLM).parameters
     taken = {"model", "tokenizer", "block_size", "device", "config", "kv_connector"}  # DisaggregatedLLM's own
     for name in engine_args:
@@ -353,7 +354,8 @@ class DisaggregatedLLM:
         devices = self._devices(device)
         if spec == "smollm2":
             from transformers import AutoConfig
-            from .models import convert_gguf_to_cache
+
+            from paged.model.loader import convert_gguf_to_cache
             config = AutoConfig.from_pretrained(convert_gguf_to_cache())
         else:
             config = spec[0]
@@ -362,7 +364,8 @@ class DisaggregatedLLM:
         self.tokenizer = tokenizer
         if spec == "smollm2" and tokenizer is None:
             from transformers import AutoTokenizer
-            from .models import convert_gguf_to_cache
+
+            from paged.model.loader import convert_gguf_to_cache
             self.tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_cache())
         self._processes, self._conns, self._log, self._closed = {}, {}, [], False
         self._grace_s = [5.0]  # how long close() waits for a worker to stop by itself; short after a failure

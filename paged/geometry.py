@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validation import block_size_of
+from paged.validation import block_size_of
 
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 

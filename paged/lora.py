@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import triton_missing
-from .validation import available_memory, integer
+from paged.kernels import triton_missing
+from paged.validation import available_memory, integer
 
 MAX_LORAS = 64          # adapter slots on the device at most
 MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers
@@ -46,7 +46,7 @@ MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-# The fused projections of paged.model.LayerWeights and the targets (PEFT's module names) each one holds, in order.
+# The fused projections of paged.model.llama.LayerWeights and the targets (PEFT's module names) each one holds, in order.
 FUSED_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
                  "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 TARGET_MODULES = tuple(m for targets in FUSED_TARGETS.values() for m in targets)
@@ -108,7 +108,7 @@ class TargetSlice:
 
 
 def target_slices(model) -> dict[str, TargetSlice]:
-    """Each target module's slice of the fused weights of a paged.model.PagedLlama."""
+    """Each target module's slice of the fused weights of a paged.model.llama.PagedLlama."""
     q_size, kv_size = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     layer = model.layers[0]
     hidden, intermediate = layer.qkv.shape[1], layer.down.shape[1]
@@ -278,7 +278,8 @@ def lora_ops(kernel: str):
     if kernel == "torch":
         return sgmv_shrink, sgmv_expand
     if kernel == "triton":
-        from paged.kernels.lora import sgmv_expand as triton_expand, sgmv_shrink as triton_shrink
+        from paged.kernels.lora import sgmv_expand as triton_expand
+        from paged.kernels.lora import sgmv_shrink as triton_shrink
         return triton_shrink, triton_expand
     raise ValueError(f"lora kernel must be 'torch' or 'triton', got {kernel!r}")
 

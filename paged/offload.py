@@ -41,9 +41,9 @@ if os.name == "nt":
 else:
     import fcntl
 
-from .block_manager import Block, BlockManager, cdiv
-from .validation import available_memory, real
-from .kv_cache import KVCache
+from paged.core.block_manager import Block, BlockManager, cdiv
+from paged.engine.kv_cache import KVCache
+from paged.validation import available_memory, real
 
 PREEMPTION_MODES = ("recompute", "swap")
 GiB = 1 << 30

@@ -12,7 +12,7 @@ A step with speculation:
      the scheduler trims the drafts when the budget is short and drops them when the pool has no room;
   3. verify: the target runs the last real token and the drafts as one prefill-shaped chunk over the paged cache,
      in the same forward pass as the sequences without drafts, writing every draft's K/V into the sequence's blocks;
-  4. accept (`rejection_sampler.py`): 1..k + 1 tokens are appended. Greedy and seeded rows keep the drafts equal to
+  4. accept (`engine/rejection_sampler.py`): 1..k + 1 tokens are appended. Greedy and seeded rows keep the drafts equal to
      the token plain decoding picks at their position (a seeded row with that position's noise), so their tokens do
      not depend on the drafts, hence not on the pool or the batch; unseeded rows use rejection sampling. The
      sequence rolls back over the rejected drafts (`num_computed_tokens`), and blocks holding only rejected tokens
@@ -38,13 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .model_inputs import prepare_inputs
-from .block_manager import AllocStatus, BlockManager
-from .validation import integer
-from .kv_cache import KVCache
-from .model import PagedLlama
-from .rejection_sampler import greedy_accept, rejection_sample, seeded_accept
-from .sampling import exponential_noise, filter_logits, filter_params, greedy_tokens, seeded_token
+from paged.core.block_manager import AllocStatus, BlockManager
+from paged.engine.kv_cache import KVCache
+from paged.engine.model_inputs import prepare_inputs
+from paged.engine.rejection_sampler import greedy_accept, rejection_sample, seeded_accept
+from paged.engine.sampler import exponential_noise, filter_logits, filter_params, greedy_tokens, seeded_token
+from paged.model.llama import PagedLlama
+from paged.validation import integer
 
 MAX_SPECULATIVE_TOKENS = 16
 METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
@@ -96,10 +96,10 @@ class SpeculativeConfig:
 def resolve_draft(config: SpeculativeConfig, target: PagedLlama, backend: str) -> PagedLlama:
     """The draft model as a PagedLlama on the target's device and dtype, sharing weights with the target where
     it is the target (or its first layers): the same model object, "smollm2" twice, or the same folder."""
-    from .models import load_model
+    from paged.model.loader import load_model
     argument, model = "speculative_config['model']", config.model
     if isinstance(model, (str, os.PathLike)) and model != "smollm2":
-        from .checkpoints import resolve_folder
+        from paged.model.checkpoints import resolve_folder
         model = str(resolve_folder(os.fspath(model), argument).resolve())
     if model is target.source or (isinstance(model, str) and model == target.source):
         draft = copy.copy(target)

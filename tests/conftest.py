@@ -3,7 +3,8 @@
 import pytest
 import torch
 from helpers import tiny_llama
-from paged.models import chat_prompt, load_hf_model
+
+from paged.model.loader import chat_prompt, load_hf_model
 
 CHAT_QUESTIONS = [
     "What is the capital of France?",

@@ -7,8 +7,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapters.train import (ADAPTERS, ADAPTERS_DIR, INSTRUCTIONS, adapter_path, as_json, collate, first_sentence,
-                            pirate, shout)
+from adapters.train import (
+    ADAPTERS,
+    ADAPTERS_DIR,
+    INSTRUCTIONS,
+    adapter_path,
+    as_json,
+    collate,
+    first_sentence,
+    pirate,
+    shout,
+)
 
 SMOLLM2 = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
            "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}   # (in, out)

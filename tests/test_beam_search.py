@@ -3,10 +3,10 @@ search where the two agree, with beams that end in EOS; and sharing saves blocks
 
 import pytest
 import torch
-
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts, tiny_llama
+
 from paged import LLM
-from paged.models import chat_prompt
+from paged.model.loader import chat_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,7 +87,7 @@ def test_beams_share_blocks(tiny_model):
     llm = make_tiny_llm(tiny_model, num_blocks=128)
     out = llm.beam_search(random_prompts(1, seed=4, low=40, high=41), beam_width=4, max_tokens=12)[0]
     physical, logical = zip(*out.block_usage)
-    assert all(p <= l for p, l in zip(physical, logical))
+    assert all(held <= listed for held, listed in zip(physical, logical))
     assert sum(physical) < 0.6 * sum(logical)  # the 40-token prompt's five blocks are held once, not four times
 
 

@@ -1,12 +1,12 @@
 """The block manager's invariants under random operation sequences (hypothesis), and its admission answers."""
 
 import pytest
+from helpers import assert_ref_counts_exact
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import assert_ref_counts_exact
-from paged.block_manager import AllocStatus, BlockManager, FreeBlockQueue, Block, NoFreeBlocksError
+from paged.core.block_manager import AllocStatus, Block, BlockManager, FreeBlockQueue, NoFreeBlocksError
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -1,4 +1,4 @@
-"""Bring your own model (checkpoints.py, architectures.py): Llama, Mistral, Qwen2, Qwen3 folders against transformers.
+"""Bring your own model (model/checkpoints.py, model/architectures.py): Llama, Mistral, Qwen2, Qwen3 folders against transformers.
 
 Every model is random, with awkward shapes: GQA 1:1 and 4:1, head_dim 64 and 128 (explicit, unlike hidden_size /
 heads, where the config allows it), one or three layers, a vocabulary of 331 (not a multiple of 64), tied and untied
@@ -22,8 +22,8 @@ from helpers import assert_near_tie, assert_pool_empty, hf_logits
 from safetensors.torch import load_file, save_file
 
 from paged import LLM, LoRARequest, SamplingParams
-from paged.architectures import ARCHITECTURES
 from paged.geometry import KVGeometry
+from paged.model.architectures import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -321,7 +321,7 @@ def test_the_command_line_runs_a_folder(folders, capsys):
 PEAK_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     from pathlib import Path
-    from paged.checkpoints import load_checkpoint, read_config
+    from paged.model.checkpoints import load_checkpoint, read_config
 
     def kib(field):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))

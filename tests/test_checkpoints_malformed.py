@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoints import copy_folder, random_model, save
 
 from paged import LLM
-
-from test_checkpoints import copy_folder, random_model, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The C++ CPU kernel (paged/kernels/cpu.py) against the torch reference in paged.attention (guide §7).
+"""The C++ CPU kernel (paged/kernels/cpu.py) against the torch reference in paged.model.attention (guide §7).
 
 Random shapes: block sizes 8-128, GQA 1:1 to 8:1, head_dim 64 and 128, ragged contexts with partly filled last
 blocks, and prefill chunks of every kind (a whole prompt, a chunk after cached tokens, a prefix-cache hit, one
@@ -14,15 +14,15 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
-
-import helpers
 from helpers import make_tiny_llm, random_prompts, tiny_llama
-from paged.kernels import cpu
+
 from paged import LLM, SamplingParams
-from paged import attention as ref
-from paged.model import add_rms_norm, apply_rope, attention_backend, silu_and_mul
+from paged.kernels import cpu
+from paged.model import attention as ref
+from paged.model.llama import add_rms_norm, apply_rope, attention_backend, silu_and_mul
 
 # the kernel tests' inputs, on the CPU even where there is a GPU
 paged_pool = functools.partial(helpers.paged_pool, device="cpu")
@@ -146,7 +146,7 @@ def test_cache_write_matches_write_kv(slot_dtype):
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
 def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     """RoPE in place on a strided slice of a fused qkv tensor, SiLU-and-multiply (a width whose last elements torch
-    computes one by one), and RMSNorm with the residual add: the same floats as paged.model's torch code, to the
+    computes one by one), and RMSNorm with the residual add: the same floats as paged.model.llama's torch code, to the
     last bit, in fp32 and bf16 (so the engine's tokens cannot drift from the oracle here)."""
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = (3 * torch.randn(num_tokens, 15 * 64, generator=gen)).to(dtype)

@@ -4,12 +4,12 @@ import random
 
 import pytest
 import torch
+from helpers import assert_pool_empty, make_tiny_llm, needs_triton, random_prompts, run_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_pool_empty, make_tiny_llm, needs_triton, random_prompts, run_engine
 from paged import SamplingParams
-from paged.sampling import filter_logits, greedy_tokens, sample
+from paged.engine.sampler import filter_logits, greedy_tokens, sample
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 

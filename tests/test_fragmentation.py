@@ -5,9 +5,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged.fragmentation import (EXTERNAL, INTERNAL, LIVE, PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, RESERVED,
-                                 FirstFitArena, compare, four_request_example, reservation_tokens, simulate)
-from paged.traces import TraceRequest, sharegpt_trace
+from paged.analysis.fragmentation import (
+    EXTERNAL,
+    INTERNAL,
+    LIVE,
+    PAPER_ORCA_USAGE,
+    PAPER_VLLM_USAGE,
+    RESERVED,
+    FirstFitArena,
+    compare,
+    four_request_example,
+    reservation_tokens,
+    simulate,
+)
+from paged.analysis.traces import TraceRequest, sharegpt_trace
 
 
 def test_four_request_example():

@@ -4,8 +4,17 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from paged.geometry import (GiB, KiB, MiB, KVGeometry, block_table_bytes, blocks_for_tokens, format_bytes,
-                            read_time_s, worked_example)
+from paged.geometry import (
+    GiB,
+    KiB,
+    KVGeometry,
+    MiB,
+    block_table_bytes,
+    blocks_for_tokens,
+    format_bytes,
+    read_time_s,
+    worked_example,
+)
 
 LLAMA_70B = KVGeometry.llama3_70b()
 

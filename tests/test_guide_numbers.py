@@ -1,4 +1,4 @@
-"""The guide's figures (paged/guide_numbers.py): each row recomputed, the verdicts, the small models behind the
+"""The guide's figures (paged/analysis/guide_numbers.py): each row recomputed, the verdicts, the small models behind the
 corrections (speculative tokens per step, page replacement, prompt chunks, the roofline's ridge), and that the chapter
 each row names really discusses it."""
 
@@ -8,11 +8,22 @@ from pathlib import Path
 
 import pytest
 
+from paged.analysis.guide_numbers import (
+    BELADY_REFERENCES,
+    H100_MEMORY,
+    GuideNumber,
+    chunk_sizes,
+    compute_bound_batch,
+    corrections,
+    e2e_formula_holds,
+    guide_numbers,
+    page_faults,
+    shows_belady_anomaly,
+    table_rows,
+    unaligned_fraction,
+)
+from paged.analysis.speculative_cost import expected_tokens
 from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
-from paged.guide_numbers import (BELADY_REFERENCES, H100_MEMORY, GuideNumber, chunk_sizes, compute_bound_batch,
-                                 corrections, e2e_formula_holds, guide_numbers, page_faults, shows_belady_anomaly,
-                                 table_rows, unaligned_fraction)
-from paged.speculative_cost import expected_tokens
 
 CHAPTERS = Path(__file__).resolve().parent.parent / "chapters"
 
@@ -158,7 +169,7 @@ def test_lora_weights_are_those_peft_adds_to_a_llama_2_7b():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from paged.guide_numbers import LLAMA2_7B_PARAMS, lora_weights
+    from paged.analysis.guide_numbers import LLAMA2_7B_PARAMS, lora_weights
     config = LlamaConfig(vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
     with torch.device("meta"):                    # shapes only

@@ -1,4 +1,4 @@
-"""The Triton kernels against the torch reference in paged.attention (guide §5-§7).
+"""The Triton kernels against the torch reference in paged.model.attention (guide §5-§7).
 
 Without CUDA they run in Triton's interpreter, switched on by paged/kernels/interpreter.py before any kernel is
 decorated. Inputs are small: the interpreter runs every program in numpy, one after another. Where Triton is not
@@ -16,9 +16,17 @@ from paged import kernels
 if kernels.triton_missing():
     pytest.skip(kernels.triton_missing(), allow_module_level=True)
 
-from helpers import (KERNEL_DEVICE, assert_prefill_rejects_bad_input, bad_decode_inputs, decode_call,  # noqa: E402
-                     decode_inputs, paged_pool, random_query)
-from paged import attention as ref  # noqa: E402
+from helpers import (  # noqa: E402
+    KERNEL_DEVICE,
+    assert_prefill_rejects_bad_input,
+    bad_decode_inputs,
+    decode_call,
+    decode_inputs,
+    paged_pool,
+    random_query,
+)
+
+from paged.model import attention as ref  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 

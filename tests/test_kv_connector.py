@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged import LoRARequest, SamplingParams
-from paged.block_manager import BlockManager, cdiv
 from paged.config import EngineConfig
-from paged.kv_cache import KVCache
+from paged.core.block_manager import BlockManager, cdiv
+from paged.core.scheduler import Scheduler
+from paged.core.sequence import Request, RequestMetrics
+from paged.engine.kv_cache import KVCache
 from paged.kv_connector import KVConsumer, KVProducer
-from paged.scheduler import Scheduler
-from paged.sequence import Request, RequestMetrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from paged import kernels
 from paged.kernels import cpu
-from paged.model import attention_backend, default_attention_backend
+from paged.model.llama import attention_backend, default_attention_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chapters"))
 import needs  # noqa: E402  (chapters/needs.py, the chapters' cell magic)

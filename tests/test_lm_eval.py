@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from paged import LLM
-from paged.models import model_cache_dir
-from paged.server import build_app, serve_in_thread
+from paged.model.loader import model_cache_dir
+from paged.serving.api_server import build_app, serve_in_thread
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra: pip install -e '.[dev]'")
 

@@ -19,7 +19,7 @@ from peft import get_peft_model
 from paged import LoRARequest, SamplingParams
 from paged import lora as lora_module
 from paged.lora import MAX_LORA_RANK, MAX_LORAS, TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
-from paged.model import PagedLlama
+from paged.model.llama import PagedLlama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -421,5 +421,5 @@ def test_slots_hold_what_each_step_needs(tiny_slots_model, steps, max_loras):
 
 @pytest.fixture(scope="module")
 def tiny_slots_model():
-    from paged.model import PagedLlama
+    from paged.model.llama import PagedLlama
     return PagedLlama(tiny_llama(), "torch")

@@ -12,8 +12,8 @@ from paged import kernels
 if kernels.triton_missing():
     pytest.skip(kernels.triton_missing(), allow_module_level=True)
 
-from paged.kernels import lora as triton_lora  # noqa: E402
 from paged import lora as ref  # noqa: E402
+from paged.kernels import lora as triton_lora  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEVICE == "cuda" else [])

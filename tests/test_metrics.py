@@ -1,4 +1,4 @@
-"""paged/metrics.py: TTFT / TPOT / goodput arithmetic on hand-made timelines, the step-cost model, and the online
+"""paged/engine/metrics.py: TTFT / TPOT / goodput arithmetic on hand-made timelines, the step-cost model, and the online
 driver on the tiny random Llama with the simulated clock (deterministic, so exact assertions are safe)."""
 
 import time
@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import assert_pool_empty, make_tiny_llm
 
-from paged.metrics import (SLO, RequestRecord, StepRecord, goodput, percentiles, poisson_arrivals, replay,
-                           summarize)
-from paged.sampling import SamplingParams
-from paged.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from paged.step_cost import StepCost
-from paged.traces import LengthProfile, TraceRequest, make_trace
+from paged.analysis.replay import poisson_arrivals, replay
+from paged.analysis.step_cost import StepCost
+from paged.analysis.traces import LengthProfile, TraceRequest, make_trace
+from paged.core.sequence import CompletionOutput, RequestMetrics, RequestOutput
+from paged.engine.metrics import SLO, RequestRecord, StepRecord, goodput, percentiles, summarize
+from paged.sampling_params import SamplingParams
 
 # prompts long against outputs, so that prefill competes with decode; lengths fit the tiny model's 512 positions
 LONG_PROMPTS = LengthProfile("long prompts", mean_input=200, mean_output=24, sigma_input=0.8, sigma_output=0.8)

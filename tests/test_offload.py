@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_pool_empty, assert_ref_counts_exact, make_tiny_llm, random_prompts
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helpers import assert_pool_empty, assert_ref_counts_exact, make_tiny_llm, random_prompts
 from paged import SamplingParams
-from paged.block_manager import AllocStatus, BlockManager, canonical_extra_key, hash_block_tokens
-from paged.kv_cache import KVCache
+from paged.core.block_manager import AllocStatus, BlockManager, canonical_extra_key, hash_block_tokens
+from paged.engine.kv_cache import KVCache
 from paged.offload import KVTier, PrefixTier, SwapSpace
 
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_a_block_hash_is_sha256_of_a_canonical_encoding_and_chains():
 
 def test_block_hashes_are_the_same_in_another_process():
     """Python's hash() of a str differs between processes (PYTHONHASHSEED); the digest must not."""
-    code = ("from paged.block_manager import hash_block_tokens as h; "
+    code = ("from paged.core.block_manager import hash_block_tokens as h; "
             "print(h(h(None, [5, 6], ('pirate', 2)), [7, 8], 'x').hex())")
     here = hash_block_tokens(hash_block_tokens(None, [5, 6], ("pirate", 2)), [7, 8], "x").hex()
     for seed in ("1", "2"):
@@ -342,7 +342,7 @@ def test_a_file_a_live_tier_holds_is_refused_and_a_stale_one_is_deleted(tiny_mod
     KVTier(cache, 2, tmp_path / "swap.kv").close()    # free again
     # A process killed with its tier open leaves an unlocked file behind; the next engine in the folder deletes it.
     script = (f"import os, sys, torch; sys.path[:0] = {sys.path!r}\n"
-              f"from paged.kv_cache import KVCache; from paged.offload import KVTier\n"
+              f"from paged.engine.kv_cache import KVCache; from paged.offload import KVTier\n"
               f"tier = KVTier(KVCache(1, 1, 4, 4, 8), 2, {str(tmp_path)!r}, kind='swap')\n"
               f"print(tier.path, flush=True); os._exit(0)\n")
     stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()

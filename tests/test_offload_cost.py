@@ -1,4 +1,4 @@
-"""The swap-or-recompute model of paged/offload_cost.py against the FLOPs transformers' own forward pass performs
+"""The swap-or-recompute model of paged/analysis/offload_cost.py against the FLOPs transformers' own forward pass performs
 (torch's FlopCounterMode), and its crossover formula against a search over lengths."""
 
 import pytest
@@ -7,9 +7,16 @@ from helpers import tiny_llama
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from paged.analysis.offload_cost import (
+    LLAMA3_70B_LAYER_WEIGHTS,
+    crossover_tokens,
+    gpu_crossover_tokens,
+    gpu_recompute_seconds,
+    gpu_swap_seconds,
+    layer_weights,
+    prefill_flops,
+)
 from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
-from paged.offload_cost import (LLAMA3_70B_LAYER_WEIGHTS, crossover_tokens, gpu_crossover_tokens,
-                                gpu_recompute_seconds, gpu_swap_seconds, layer_weights, prefill_flops)
 
 
 def counted_flops(model, token_ids: list[int], num_cached: int) -> dict[str, float]:

@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
+from helpers import assert_near_tie, assert_pool_empty, hf_greedy, make_tiny_llm, random_prompts, run_engine
 
 from paged import SamplingParams
-
-from helpers import assert_near_tie, assert_pool_empty, hf_greedy, make_tiny_llm, random_prompts, run_engine
 
 NEW_TOKENS = 48
 
@@ -52,7 +51,7 @@ def test_stopping_at_eos_matches_transformers(smollm2, smollm2_llm, chat_prompts
 
 def test_smollm2_in_bf16_equals_transformers_in_bf16_up_to_near_ties(smollm2, chat_prompts):
     """bf16 rounds differently along the engine's path (fused projections; on a CPU without bf16 matmuls, fp32
-    products of the bf16 weights, packed_linear.py); where a token differs, transformers ranks both within a
+    products of the bf16 weights, model/packed_linear.py); where a token differs, transformers ranks both within a
     bf16-sized margin."""
     from paged import LLM
     model, tokenizer = smollm2

@@ -1,4 +1,4 @@
-"""What tensor parallelism costs and saves (paged/parallel_cost.py): the KV heads and bytes of each rank against
+"""What tensor parallelism costs and saves (paged/analysis/parallel_cost.py): the KV heads and bytes of each rank against
 hand-computed values, vLLM's replication rule, the guide's §1 and §8 deployments, the all-reduce model, data
 parallelism against tensor parallelism, and a real all-reduce between spawned gloo ranks."""
 
@@ -6,13 +6,33 @@ import multiprocessing
 
 import pytest
 
-from paged.geometry import GiB, KiB, MiB, KVGeometry
-from paged.parallel_cost import (H100_NVLINK, LLAMA3_70B, NVLINK4_H100_ONE_WAY, SMOLLM2, AllReduceTimes, Link,
-                                 all_reduce_bytes, all_reduce_seconds, all_reduces_per_step, blocks_per_rank,
-                                 bytes_per_token_per_rank, deployment, first_replicating_tp_size, fit_all_reduce,
-                                 free_kv_bytes_per_card, kv_head_copies, kv_heads_by_rank, measure_all_reduce,
-                                 parallel_plans, rank_pools, ring_all_reduce_bytes, smollm2_sizes, tp_step_seconds,
-                                 vllm_accepts)
+from paged.analysis.parallel_cost import (
+    H100_NVLINK,
+    LLAMA3_70B,
+    NVLINK4_H100_ONE_WAY,
+    SMOLLM2,
+    AllReduceTimes,
+    Link,
+    all_reduce_bytes,
+    all_reduce_seconds,
+    all_reduces_per_step,
+    blocks_per_rank,
+    bytes_per_token_per_rank,
+    deployment,
+    first_replicating_tp_size,
+    fit_all_reduce,
+    free_kv_bytes_per_card,
+    kv_head_copies,
+    kv_heads_by_rank,
+    measure_all_reduce,
+    parallel_plans,
+    rank_pools,
+    ring_all_reduce_bytes,
+    smollm2_sizes,
+    tp_step_seconds,
+    vllm_accepts,
+)
+from paged.geometry import GiB, KiB, KVGeometry, MiB
 
 LLAMA = KVGeometry.llama3_70b()
 
@@ -156,7 +176,7 @@ def test_measure_all_reduce_between_spawned_ranks():
 
 
 def test_prefill_splits_the_flops_and_pays_all_reduces_that_grow_with_the_tokens():
-    from paged.parallel_cost import tp_prefill_seconds
+    from paged.analysis.parallel_cost import tp_prefill_seconds
     one = tp_prefill_seconds(LLAMA3_70B, 1, H100_NVLINK, 2048)
     assert one["compute_s"] == pytest.approx(2 * 70.6e9 * 2048 / (989.4e12 * 0.5)) and one["all_reduce_s"] == 0
     eight = tp_prefill_seconds(LLAMA3_70B, 8, H100_NVLINK, 2048)
@@ -168,7 +188,7 @@ def test_prefill_splits_the_flops_and_pays_all_reduces_that_grow_with_the_tokens
 
 
 def test_launch_env_numbers_ranks_node_by_node():
-    from paged.parallel_cost import launch_env
+    from paged.analysis.parallel_cost import launch_env
     env = launch_env(nnodes=2, nproc_per_node=8, master_addr="10.0.0.1")
     assert len(env) == 16 and [e["RANK"] for e in env] == list(range(16))
     assert env[9] == {"GROUP_RANK": 1, "LOCAL_RANK": 1, "RANK": 9, "WORLD_SIZE": 16, "MASTER_ADDR": "10.0.0.1",

@@ -7,11 +7,10 @@ import dataclasses
 
 import pytest
 import torch
-
-from paged import LLM, SamplingParams
-
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts
 from test_oracle import assert_logprobs_are_transformers
+
+from paged import LLM, SamplingParams
 
 
 def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:

@@ -1,13 +1,13 @@
-"""The torch reference attention (paged.attention) on pools with any strides the shared checks accept: heads padded
+"""The torch reference attention (paged.model.attention) on pools with any strides the shared checks accept: heads padded
 in their storage, and K and V as two halves of one tensor per layer ([num_blocks, 2, block_size, heads, head_dim],
 vLLM V1's layout). Against the same call on contiguous copies (a dense layout) and against the C++ kernel."""
 
 import pytest
 import torch
-
 from helpers import paged_pool, random_query, require_cpu_kernel
-from paged import attention as ref
+
 from paged.kernels import checks, cpu
+from paged.model import attention as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

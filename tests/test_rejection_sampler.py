@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 import torch
-
 from helpers import make_tiny_llm, random_prompts
+
 from paged import SamplingParams
-from paged.rejection_sampler import greedy_accept, rejection_sample
+from paged.engine.rejection_sampler import greedy_accept, rejection_sample
 
 DRAWS = 20_000
 

@@ -8,13 +8,23 @@ only K/V that were really computed for its tokens.
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    FailOnForward,
+    Interrupt,
+    assert_pool_empty,
+    cached_blocks_hold_their_tokens,
+    hf_greedy,
+    make_tiny_llm,
+    random_prompts,
+    record_cached_prefixes,
+    run_through_interrupts,
+    tiny_llama,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import (FailOnForward, Interrupt, assert_pool_empty, cached_blocks_hold_their_tokens, hf_greedy,
-                     make_tiny_llm, random_prompts, record_cached_prefixes, run_through_interrupts, tiny_llama)
 from paged import LLM, SamplingParams
-from paged.sampling import MAX_SEED
+from paged.sampling_params import MAX_SEED
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -81,9 +91,9 @@ def test_the_engine_recomputes_what_an_interrupted_step_scheduled(tiny_model, pr
 
 
 def test_an_error_in_the_sampler_is_rolled_back(tiny_model, prompts, expected, monkeypatch):
-    import paged.engine
+    import paged.engine.llm_engine
     llm = make_tiny_llm(tiny_model, num_blocks=64)
-    engine, sample, calls = llm.engine, paged.engine.sample, []
+    engine, sample, calls = llm.engine, paged.engine.llm_engine.sample, []
 
     def failing_sample(*args):
         calls.append(1)
@@ -91,7 +101,7 @@ def test_an_error_in_the_sampler_is_rolled_back(tiny_model, prompts, expected, m
             raise RuntimeError("sampler failed")
         return sample(*args)
 
-    monkeypatch.setattr(paged.engine, "sample", failing_sample)
+    monkeypatch.setattr(paged.engine.llm_engine, "sample", failing_sample)
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in prompts[:2]]
     ids.append(engine.add_request(engine.make_request(prompts[2], params)))  # forks right after its prompt

@@ -5,13 +5,17 @@ import itertools
 
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
-
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
 from paged import LLM, SamplingParams
-from paged.models import chat_prompt
-from paged.sampling import filter_logits, filter_params, sample
+from paged.engine.sampler import filter_logits, filter_params, sample
+from paged.model.loader import chat_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,11 +7,11 @@ import pickle
 
 import pytest
 
-from paged.block_manager import BlockManager
 from paged.config import EngineConfig
-from paged.sampling import SamplingParams
-from paged.scheduler import Scheduler
-from paged.sequence import Request, RequestMetrics, SequenceStatus
+from paged.core.block_manager import BlockManager
+from paged.core.scheduler import Scheduler
+from paged.core.sequence import Request, RequestMetrics, SequenceStatus
+from paged.sampling_params import SamplingParams
 
 EOS = 2
 

@@ -7,12 +7,12 @@ all give the same tokens. Checked on the tiny random Llama, with prompt lookup a
 
 import pytest
 import torch
-
 from helpers import make_tiny_llm, random_prompts
-from paged import SamplingParams
-from paged.rejection_sampler import seeded_accept
-from paged.sampling import exponential_noise, sample, seeded_token
 from test_rejection_sampler import DRAWS, chi_square_p, random_distributions
+
+from paged import SamplingParams
+from paged.engine.rejection_sampler import seeded_accept
+from paged.engine.sampler import exponential_noise, sample, seeded_token
 
 K = 3
 SEEDED = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (paged/server.py, paged/async_engine.py) through the official `openai` client.
+"""The OpenAI-compatible server (paged/serving/api_server.py, paged/engine/async_llm.py) through the official `openai` client.
 
 Each test starts its own server on 127.0.0.1 and a free port, in a background thread, and stops it as it ends.
 A tiny random Llama serves where the exact text does not matter (token ids come back through vLLM's
@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import make_tiny_llm, random_prompts, tiny_llama
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import make_tiny_llm, random_prompts, tiny_llama
 from paged import LLM, LoRARequest, SamplingParams
-from paged.async_engine import CompletionTracker, IncrementalDetokenizer, SequenceUpdate
-from paged.models import chat_prompt
-from paged.server import adapter_rank, build_app, serve_in_thread
+from paged.engine.async_llm import CompletionTracker, IncrementalDetokenizer, SequenceUpdate
+from paged.model.loader import chat_prompt
+from paged.serving.api_server import adapter_rank, build_app, serve_in_thread
 
 PIRATE = str(Path(__file__).resolve().parent.parent / "adapters" / "pirate")
 DEADLINE_S = 20.0   # the longest any wait in these tests may last

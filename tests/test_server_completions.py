@@ -10,11 +10,10 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import make_tiny_llm, tiny_llama
 
 from paged import LLM, SamplingParams
-from paged.server import build_app, serve_in_thread
-
-from helpers import make_tiny_llm, tiny_llama
+from paged.serving.api_server import build_app, serve_in_thread
 
 DEADLINE_S = 60.0
 

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import make_tiny_llm, tiny_llama
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged import LLM, SamplingParams
 from paged.__main__ import main as command_line
-from paged.sampling import Logprob
-from paged.server import build_app, chat_logprobs, serve_in_thread, token_bytes
-
-from helpers import make_tiny_llm, tiny_llama
+from paged.sampling_params import Logprob
+from paged.serving.api_server import build_app, chat_logprobs, serve_in_thread, token_bytes
 
 DEADLINE_S = 60.0
 PIRATE = str(Path(__file__).resolve().parent.parent / "adapters" / "pirate")
@@ -225,7 +224,7 @@ def test_logprob_bytes_of_a_token_holding_part_of_a_character_are_its_own(smollm
     assert len(ids) > 1 and "\ufffd" in tokenizer.decode([ids[0]])   # the case at hand: a partial character
     entries = [{i: Logprob(-0.5, 1, tokenizer.decode([i]))} for i in ids]
     shaped = chat_logprobs(entries, 1, tokenizer)["content"]
-    assert b"".join(bytes(item["bytes"]) for item in shaped) == "🍮".encode("utf-8")
+    assert b"".join(bytes(item["bytes"]) for item in shaped) == "🍮".encode()
     assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in shaped)
     with serve_in_thread(build_app(smollm2_llm, "m")) as url:
         answer = post(url, "/v1/chat/completions", {"model": "m", "max_tokens": 6, "logprobs": True,

@@ -1,4 +1,4 @@
-"""Serving under load (paged/token_budget.py, server_defaults, AsyncLLM.steps): the server's own scheduling defaults,
+"""Serving under load (paged/serving/token_budget.py, server_defaults, AsyncLLM.steps): the server's own scheduling defaults,
 the token budget sized for the machine, the loop's trace of its steps, and greedy outputs over HTTP under load."""
 
 import asyncio
@@ -8,12 +8,12 @@ import sys
 import openai
 import pytest
 import torch
-
 from helpers import make_tiny_llm, random_prompts, tiny_llama
+
 from paged import LLM, SamplingParams
-from paged.models import chat_prompt
-from paged.server import UNCHUNKED_TOKEN_BUDGET, build_app, serve_in_thread, server_defaults, serving_llm
-from paged.token_budget import MAX_TOKEN_BUDGET, size_token_budget
+from paged.model.loader import chat_prompt
+from paged.serving.api_server import UNCHUNKED_TOKEN_BUDGET, build_app, serve_in_thread, server_defaults, serving_llm
+from paged.serving.token_budget import MAX_TOKEN_BUDGET, size_token_budget
 
 DEADLINE_S = 60.0
 
@@ -25,7 +25,7 @@ def fake_timings(monkeypatch, fixed: float, per_token: float) -> list[int]:
     def time_step(engine, num_tokens, seed, repeats=2):
         asked.append(num_tokens)
         return fixed + (num_tokens - 1) * per_token
-    monkeypatch.setattr("paged.token_budget.time_step", time_step)
+    monkeypatch.setattr("paged.serving.token_budget.time_step", time_step)
     return asked
 
 

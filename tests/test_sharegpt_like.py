@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from paged.http_load import make_requests
+from paged.analysis.load_client import make_requests
 
 
 @pytest.fixture

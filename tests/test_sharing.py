@@ -2,11 +2,10 @@
 
 from collections import Counter
 
-import torch
+from helpers import assert_pool_empty, make_tiny_llm, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import assert_pool_empty, make_tiny_llm, random_prompts
 from paged import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

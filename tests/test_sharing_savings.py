@@ -1,13 +1,20 @@
-"""Memory saved by sharing blocks (paged/sharing.py) and the chapter-06 drawings (paged/viz/ch06_copy_on_write.py)."""
+"""Memory saved by sharing blocks (paged/analysis/sharing.py) and the chapter-06 drawings (paged/viz/ch06_copy_on_write.py)."""
 
 import matplotlib.pyplot as plt
 import pytest
-
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+
 from paged import SamplingParams
-from paged.sharing import (BlockSteps, beam_search_rows, beam_search_saving, on_forward, parallel_sampling_rows,
-                           parallel_sampling_saving, parallel_sampling_usage)
-from paged.traces import TraceRequest, alpaca_trace, sharegpt_trace
+from paged.analysis.sharing import (
+    BlockSteps,
+    beam_search_rows,
+    beam_search_saving,
+    on_forward,
+    parallel_sampling_rows,
+    parallel_sampling_saving,
+    parallel_sampling_usage,
+)
+from paged.analysis.traces import TraceRequest, alpaca_trace, sharegpt_trace
 from paged.viz import beam_search_frames, fork_caption, plot_savings, savings_table_html, sequences_snapshot
 
 

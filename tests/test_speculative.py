@@ -3,12 +3,20 @@ everything, rejected drafts give their blocks back, bad configs are refused by n
 
 import pytest
 import torch
+from helpers import (
+    assert_pool_empty,
+    cached_blocks_hold_their_tokens,
+    hf_greedy,
+    make_tiny_llm,
+    random_prompts,
+    record_cached_prefixes,
+    run_engine,
+    run_through_interrupts,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import (assert_pool_empty, cached_blocks_hold_their_tokens, hf_greedy, make_tiny_llm, random_prompts,
-                     record_cached_prefixes, run_engine, run_through_interrupts)
 from paged import SamplingParams
-from paged.block_manager import cdiv
+from paged.core.block_manager import cdiv
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -217,8 +225,8 @@ def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model
 
 
 def test_the_cost_model_finds_where_speculation_stops_paying():
-    from paged.speculative_cost import crossover_batch, expected_tokens, verify_speedup
-    from paged.step_cost import StepCost
+    from paged.analysis.speculative_cost import crossover_batch, expected_tokens, verify_speedup
+    from paged.analysis.step_cost import StepCost
     weights_bound = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost one
     compute_bound = StepCost(fixed=0.0, per_token=1.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost k + 1
     assert verify_speedup(weights_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3))
@@ -234,7 +242,7 @@ def test_the_cost_model_finds_where_speculation_stops_paying():
 
 
 def test_measure_step_times_decodes_and_verifies_and_gives_the_pool_back(tiny_model):
-    from paged.speculative_cost import measure_step
+    from paged.analysis.speculative_cost import measure_step
     llm = make_tiny_llm(tiny_model, num_blocks=32)
     assert measure_step(llm.engine, 4, 1, context=20, repeats=2) > 0
     assert measure_step(llm.engine, 4, 4, context=20, repeats=2) > 0
@@ -275,8 +283,12 @@ def test_forks_made_while_their_parent_verifies_drafts_take_only_its_accepted_to
 
 
 def test_the_two_acceptances_and_the_break_even_point():
-    from paged.speculative_cost import (acceptance_of_rate, break_even_acceptance, expected_tokens,
-                                        rate_of_acceptance)
+    from paged.analysis.speculative_cost import (
+        acceptance_of_rate,
+        break_even_acceptance,
+        expected_tokens,
+        rate_of_acceptance,
+    )
     # r by counting: over many verifies with independent per-position acceptance a, accepted / drafted
     generator = torch.Generator().manual_seed(0)
     a, k, verifies = 0.7, 3, 200_000

@@ -1,12 +1,12 @@
 """Speculative decoding's block operations under random sequences of propose / accept / reject / fork / free
 (hypothesis): the pool's books balance, rejected drafts' blocks come back at once, and their slots are reused."""
 
+from helpers import assert_ref_counts_exact
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from helpers import assert_ref_counts_exact
-from paged.block_manager import AllocStatus, BlockManager, cdiv
+from paged.core.block_manager import AllocStatus, BlockManager, cdiv
 
 
 class SpeculativeBlocksMachine(RuleBasedStateMachine):

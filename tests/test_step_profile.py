@@ -4,9 +4,9 @@ import importlib
 from pathlib import Path
 
 import pytest
+from helpers import make_tiny_llm, random_prompts, require_cpu_kernel, tiny_llama
 
 from paged import SamplingParams
-from helpers import make_tiny_llm, random_prompts, require_cpu_kernel, tiny_llama
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

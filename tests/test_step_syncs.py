@@ -1,6 +1,6 @@
 """The forward pass never waits for the device between layers (guide §7, §17): AttentionMetadata carries the
 longest lengths as Python ints, every backend takes them, and the kernels' input checks run once per step, only
-under the debug switch (paged.model.CHECK_KERNELS, PAGED_CHECK_KERNELS=1)."""
+under the debug switch (paged.model.llama.CHECK_KERNELS, PAGED_CHECK_KERNELS=1)."""
 
 import contextlib
 
@@ -9,7 +9,8 @@ import torch
 from helpers import make_tiny_llm, needs_triton, random_prompts, tiny_llama
 
 import paged.kernels.checks
-from paged import SamplingParams, model as model_module
+from paged import SamplingParams
+from paged.model import llama as model_module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 READ_BACKS = ("item", "tolist", "__int__", "__bool__", "__index__", "__float__")  # a CPU tensor's way to a number

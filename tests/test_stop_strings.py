@@ -2,10 +2,10 @@
 text cut before the string (after it with include_stop_str_in_output), finish_reason "stop", stop_reason the string."""
 
 import pytest
-
 from helpers import assert_pool_empty, make_tiny_llm, random_prompts
+
 from paged import SamplingParams
-from paged.stop_strings import check_stop_strings, stop_hold_back
+from paged.engine.stop_strings import check_stop_strings, stop_hold_back
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

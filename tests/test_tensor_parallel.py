@@ -1,4 +1,4 @@
-"""Tensor parallelism (tensor_parallel.py, multiproc_executor.py): N ranks give the tokens one rank gives.
+"""Tensor parallelism (model/tensor_parallel.py, engine/multiproc_executor.py): N ranks give the tokens one rank gives.
 
 Every engine here is rank 0 of two (three for SmolLM2) processes over gloo. The models are random, with the shapes
 that make sharding go wrong: GQA 1:1 and 4:1, fewer KV heads than ranks (each rank holds a copy of one), Qwen2's
@@ -20,7 +20,7 @@ from helpers import assert_near_tie, assert_pool_empty, tiny_llama
 from test_checkpoints import ENGINE, PROMPTS, random_model, save
 
 from paged import LLM, SamplingParams
-from paged.tensor_parallel import check_tensor_parallel, plan_shard
+from paged.model.tensor_parallel import check_tensor_parallel, plan_shard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,7 +197,8 @@ def test_the_server_on_two_ranks_answers_as_generate_and_reports_a_dead_rank():
     """python -m paged serve --tensor-parallel-size 2, in process: completions equal LLM.generate's on the same
     engine; /health turns 503, naming the rank, once a worker is killed."""
     import httpx
-    from paged.server import build_app, serve_in_thread, serving_llm
+
+    from paged.serving.api_server import build_app, serve_in_thread, serving_llm
     llm, _ = serving_llm(tiny_llama(), tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
                          device="cpu")
     try:

@@ -2,8 +2,16 @@
 
 import pytest
 
-from paged.traces import (ALPACA, SHAREGPT, alpaca_trace, clipped_lognormal_mean, fit_lognormal_mu, make_trace,
-                          sharegpt_trace, trace_stats)
+from paged.analysis.traces import (
+    ALPACA,
+    SHAREGPT,
+    alpaca_trace,
+    clipped_lognormal_mean,
+    fit_lognormal_mu,
+    make_trace,
+    sharegpt_trace,
+    trace_stats,
+)
 
 
 @pytest.mark.parametrize("profile", [SHAREGPT, ALPACA], ids=lambda p: p.name)

@@ -14,13 +14,13 @@ import sys
 
 import pytest
 import torch
+from helpers import assert_pool_empty, assert_ref_counts_exact, make_adapter, make_tiny_llm, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paged
-from helpers import assert_pool_empty, assert_ref_counts_exact, make_adapter, make_tiny_llm, random_prompts
 from paged import LoRARequest, SamplingParams
-from paged.sequence import SequenceStatus
+from paged.core.sequence import SequenceStatus
 
 PAGED_DIR = os.path.dirname(paged.__file__) + os.sep
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -322,7 +322,8 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
         assert engine.swap_space.slots == {}
     _, value, keyboard = ops[0]
     prompts = [request_of(value + i, None)[0] for i in range(2)]
-    search = lambda: [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, 2, max_tokens=3)]
+    def search():
+        return [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, 2, max_tokens=3)]
     try:
         RaiseAtCall(1 + value * 20, KeyboardInterrupt if keyboard else Injected).run(search)
     except (KeyboardInterrupt, Injected, ValueError):   # a ValueError: the pool cannot hold the beams

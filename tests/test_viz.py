@@ -11,12 +11,23 @@ import numpy as np
 import pytest
 
 import paged
-from paged.fragmentation import EXTERNAL, FREE, INTERNAL, LIVE, RESERVED, compare, simulate
+from paged.analysis.fragmentation import EXTERNAL, FREE, INTERNAL, LIVE, RESERVED, compare, simulate
+from paged.analysis.traces import sharegpt_trace
 from paged.geometry import LLAMA3_70B_PARAMS, KVGeometry
-from paged.traces import sharegpt_trace
-from paged.viz import (cell_fractions, decode_intensity_series, html_table, memory_map_html, memory_map_widget,
-                       plot_block_size_sweep, plot_breakdown, plot_decode_intensity, plot_request_bytes,
-                       plot_utilisation_over_time, request_bytes_series, summary_table_html)
+from paged.viz import (
+    cell_fractions,
+    decode_intensity_series,
+    html_table,
+    memory_map_html,
+    memory_map_widget,
+    plot_block_size_sweep,
+    plot_breakdown,
+    plot_decode_intensity,
+    plot_request_bytes,
+    plot_utilisation_over_time,
+    request_bytes_series,
+    summary_table_html,
+)
 
 
 def test_cell_fractions_and_memory_map():

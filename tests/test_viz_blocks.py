@@ -6,9 +6,18 @@ from html.parser import HTMLParser
 import pytest
 from helpers import player_frames
 
-from paged.block_manager import BlockManager
-from paged.viz import (FREE_COLOUR, block_tables_html, decode_script, physical_pool_html, pool_player, replay,
-                       seq_colour, snapshot, snapshot_html)
+from paged.core.block_manager import BlockManager
+from paged.viz import (
+    FREE_COLOUR,
+    block_tables_html,
+    decode_script,
+    physical_pool_html,
+    pool_player,
+    replay,
+    seq_colour,
+    snapshot,
+    snapshot_html,
+)
 
 
 class Blocks(HTMLParser):

@@ -4,8 +4,8 @@ HTML that shows each block where it is; checked without a browser."""
 from html.parser import HTMLParser
 
 import matplotlib.pyplot as plt
-
 from helpers import player_frames
+
 from paged.viz.ch10_disaggregation import handoff_frame_html, handoff_player, handoff_replay, plot_decode_gaps
 
 

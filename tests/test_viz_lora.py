@@ -6,14 +6,25 @@ from html.parser import HTMLParser
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
-
 import torch
 from helpers import assert_pool_empty, make_tiny_llm, player_frames, tiny_llama
 from peft import LoraConfig, get_peft_model
 
 from paged import LoRARequest, SamplingParams
-from paged.viz import (BASE_COLOUR, SlotSnapshot, adapter_colour, batch_outputs_html, memory_rows, plot_lora_update,
-                       record_lora_step, segments, slot_player, slot_replay, slot_snapshot_html, token_indices_html)
+from paged.viz import (
+    BASE_COLOUR,
+    SlotSnapshot,
+    adapter_colour,
+    batch_outputs_html,
+    memory_rows,
+    plot_lora_update,
+    record_lora_step,
+    segments,
+    slot_player,
+    slot_replay,
+    slot_snapshot_html,
+    token_indices_html,
+)
 
 
 class Tags(HTMLParser):

@@ -5,11 +5,18 @@ from html.parser import HTMLParser
 
 import matplotlib
 import pytest
-
 from helpers import make_tiny_llm, player_frames, random_prompts
+
 from paged import SamplingParams
-from paged.viz.ch10_offload import (TIERS, plot_crossover, plot_ttft_tiers, record_tier_frames, tier_player,
-                                    tier_snapshot_html, tiers_html)
+from paged.viz.ch10_offload import (
+    TIERS,
+    plot_crossover,
+    plot_ttft_tiers,
+    record_tier_frames,
+    tier_player,
+    tier_snapshot_html,
+    tiers_html,
+)
 
 matplotlib.use("Agg")
 

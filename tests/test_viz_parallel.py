@@ -4,8 +4,15 @@ data, and the three figures built with their labels."""
 import matplotlib.pyplot as plt
 import pytest
 
-from paged.parallel_cost import (H100_NVLINK, LLAMA3_70B, SMOLLM2, AllReduceTimes, Link, ring_all_reduce_bytes,
-                                 tp_step_seconds)
+from paged.analysis.parallel_cost import (
+    H100_NVLINK,
+    LLAMA3_70B,
+    SMOLLM2,
+    AllReduceTimes,
+    Link,
+    ring_all_reduce_bytes,
+    tp_step_seconds,
+)
 from paged.viz import draw_shared_block_table, plot_all_reduce, plot_tp_step_time, shared_table_layout
 
 TABLES = {"seq 0": [4, 1, 6], "seq 1": [0, 3]}

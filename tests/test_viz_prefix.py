@@ -5,13 +5,24 @@ from html.parser import HTMLParser
 
 import matplotlib.pyplot as plt
 import pytest
-
 from helpers import make_tiny_llm, player_frames
+
 from paged import SamplingParams
-from paged.block_manager import BlockManager
-from paged.viz import (IDLE_CACHED_COLOUR, cache_player, cache_pool_html, cache_snapshot, cache_snapshot_html,
-                       engine_cache_snapshot, hash_chain_html, hash_names, plot_ttft, prefix_replay,
-                       scheduled_prefills, seq_colour)
+from paged.core.block_manager import BlockManager
+from paged.viz import (
+    IDLE_CACHED_COLOUR,
+    cache_player,
+    cache_pool_html,
+    cache_snapshot,
+    cache_snapshot_html,
+    engine_cache_snapshot,
+    hash_chain_html,
+    hash_names,
+    plot_ttft,
+    prefix_replay,
+    scheduled_prefills,
+    seq_colour,
+)
 
 
 class Cells(HTMLParser):

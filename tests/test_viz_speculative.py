@@ -1,13 +1,18 @@
 """Chapter 09's pictures render from data the engine records: verify steps, speedup curves, token histograms."""
 
 import matplotlib
-
 from helpers import make_tiny_llm, random_prompts
+
 from paged import SamplingParams
-from paged.block_manager import cdiv
-from paged.speculative_cost import expected_tokens
-from paged.viz import (plot_speedup_curves, plot_speedup_vs_batch, plot_token_histograms, record_verifies,
-                       verify_steps_html)
+from paged.analysis.speculative_cost import expected_tokens
+from paged.core.block_manager import cdiv
+from paged.viz import (
+    plot_speedup_curves,
+    plot_speedup_vs_batch,
+    plot_token_histograms,
+    record_verifies,
+    verify_steps_html,
+)
 
 matplotlib.use("Agg")
 
@@ -43,7 +48,7 @@ def test_plots_draw_their_curves_and_points():
     fig = plot_speedup_curves(ks=(1, 3), costs=(0.0, 0.5), points=[(0.8, 1.7, "ngram")])
     assert len(fig.axes) == 2 and len(fig.axes[1].lines) == 3  # two curves and the break-even line
     assert len(fig.axes[0].lines) == 4                          # and the measured point, on the c = 0 panel
-    from paged.step_cost import StepCost
+    from paged.analysis.step_cost import StepCost
     cost = StepCost(fixed=10.0, per_token=1.0, per_seq=0.0, per_pair=0.0)  # E(0.5, 3) stops paying at batch 5
     fig = plot_speedup_vs_batch(cost, [0.5, 1.0], max_batch=64, points=[(4, 1.1, "measured"), (4, 1.1, "again")])
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]

@@ -12,10 +12,19 @@ import pytest
 import torch
 from helpers import make_tiny_llm, player_frames
 
-from paged.metrics import SLO, ReplayResult, RequestRecord, StepRecord, replay
-from paged.traces import TraceRequest
-from paged.viz import (empirical_cdf, plot_goodput, plot_latency_cdfs, plot_token_gaps, schedule_caption,
-                       timeline_html, timeline_player, timeline_states)
+from paged.analysis.replay import ReplayResult, replay
+from paged.analysis.traces import TraceRequest
+from paged.engine.metrics import SLO, RequestRecord, StepRecord
+from paged.viz import (
+    empirical_cdf,
+    plot_goodput,
+    plot_latency_cdfs,
+    plot_token_gaps,
+    schedule_caption,
+    timeline_html,
+    timeline_player,
+    timeline_states,
+)
 
 
 def hand_made() -> ReplayResult:

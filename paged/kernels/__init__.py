@@ -1,4 +1,4 @@
-"""The paged attention kernels (guide §5-§7), each checked against the torch reference in paged.attention.
+"""The paged attention kernels (guide §5-§7), each checked against the torch reference in paged.model.attention.
 
     triton_ops.py    the Triton kernels' entry points: reshape_and_cache, paged_decode_attention,
                      paged_prefill_attention (checked), launch_decode, launch_prefill, write_cache (unchecked)

@@ -6,7 +6,7 @@ slot mapping. This kernel is the whole of "writing the KV cache": one program pe
 it into (block, offset) and copies the token's [num_kv_heads, head_dim] rows for K and for V into the two pools.
 A slot of -1 means "skip this token" (padding, or a token whose KV is already cached after a prefix hit).
 
-It is the Triton twin of `paged.attention.write_kv` (vLLM calls the same operation `reshape_and_cache`).
+It is the Triton twin of `paged.model.attention.write_kv` (vLLM calls the same operation `reshape_and_cache`).
 The pools are written in place; nothing is returned.
 
 Shapes (NHD layout):

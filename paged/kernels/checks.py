@@ -3,7 +3,7 @@
 The Triton wrappers (__init__.py) and the CPU kernel's (cpu.py) call these before launching, so
 the same bad input gets the same ValueError, naming the argument and the limit, whichever kernel it was meant for.
 The engine calls the kernels without them; with PAGED_CHECK_KERNELS=1 it runs them once per step
-(paged.model.AttentionMetadata.check).
+(paged.model.llama.AttentionMetadata.check).
 Shapes and dtypes are checked without touching the data; the values (every context fits its block table, every
 block id it uses is in the pool) with one device-to-host copy per call.
 """

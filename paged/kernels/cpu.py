@@ -18,7 +18,7 @@ them, and the engine calls them per layer without the Python checks (the C++ sti
 tensor).
 
 Where there is no C++ compiler, or the build fails, `load()` returns None after one warning that says why, and
-the engine uses the torch reference (paged.attention) instead.
+the engine uses the torch reference (paged.model.attention) instead.
 """
 
 import hashlib
@@ -87,7 +87,7 @@ def load():
     except Exception as error:  # no compiler, no ninja, a failed build: say so once and let the caller fall back
         _failure = _reason(error)
         warnings.warn(f"the CPU paged-attention kernel could not be built ({_failure}); the engine attends with "
-                      f"the torch reference (paged.attention) instead, which is slower", RuntimeWarning, stacklevel=2)
+                      f"the torch reference (paged.model.attention) instead, which is slower", RuntimeWarning, stacklevel=2)
         return None
     _ops = torch.ops.paged_cpu
     return _ops

@@ -21,6 +21,7 @@ Shapes:
 """
 
 import torch
+
 from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 _BLOCK_M = 16          # tokens per program (older Triton releases need at least 16 for tl.dot)

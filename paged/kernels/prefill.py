@@ -33,6 +33,7 @@ Shapes (NHD layout):
 """
 
 import torch
+
 from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 LOG2E = 1.4426950408889634

@@ -1,4 +1,4 @@
-"""The Triton kernels' entry points (guide §5-§7), each checked against the torch reference in paged.attention.
+"""The Triton kernels' entry points (guide §5-§7), each checked against the torch reference in paged.model.attention.
 
     reshape_and_cache        cache_write.py   scatter a step's K/V into the pools through the slot mapping
     paged_decode_attention   decode_v1.py     one program per (sequence, query head)
@@ -9,7 +9,7 @@ The three functions above check their inputs (shapes, dtypes, and, with one devi
 context fits its block table and every block id it uses is in the pool; checks.py) and raise ValueError
 naming the argument and the limit. `launch_decode` and `launch_prefill` skip the checks and take the longest
 context or chunk as a Python int: the engine, which runs every layer over the same block tables and knows those
-lengths from its own lists, calls them and never waits for the GPU between layers (paged/model.py).
+lengths from its own lists, calls them and never waits for the GPU between layers (paged/model/llama.py).
 
 `paged.kernels` gives these names without importing this module until one is used, so that the package works
 where Triton is not installed. Without CUDA the kernels run in Triton's interpreter (interpreter.py), which is
@@ -40,7 +40,7 @@ def _refuse_interpreter_bfloat16(key_cache):
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     """Write key, value [num_tokens, num_kv_heads, head_dim] into the pools at slot_mapping [num_tokens].
 
-    In place, same semantics as paged.attention.write_kv: slot = block_id * block_size + offset, -1 skips."""
+    In place, same semantics as paged.model.attention.write_kv: slot = block_id * block_size + offset, -1 skips."""
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     _refuse_interpreter_bfloat16(key_cache)
     if key.shape[0]:

@@ -7,8 +7,8 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.fragmentation import PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, STATE_NAMES, SimulationResult
-from paged.traces import TraceRequest
+from paged.analysis.fragmentation import PAPER_ORCA_USAGE, PAPER_VLLM_USAGE, STATE_NAMES, SimulationResult
+from paged.analysis.traces import TraceRequest
 from paged.viz.common import html_table
 
 

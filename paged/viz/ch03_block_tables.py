@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from paged.block_manager import BlockManager
+from paged.core.block_manager import BlockManager
 from paged.viz.common import PALETTE, player
-
 
 FREE_COLOUR = "#d9d9d9"
 

@@ -8,11 +8,18 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.block_manager import BlockManager
-from paged.viz.ch03_block_tables import (BLOCK_CSS, FREE_COLOUR, PoolSnapshot, block_cell, block_tables_html,
-                                         engine_snapshot, seq_colour, snapshot)
+from paged.core.block_manager import BlockManager
+from paged.viz.ch03_block_tables import (
+    BLOCK_CSS,
+    FREE_COLOUR,
+    PoolSnapshot,
+    block_cell,
+    block_tables_html,
+    engine_snapshot,
+    seq_colour,
+    snapshot,
+)
 from paged.viz.common import PALETTE, player
-
 
 IDLE_CACHED_COLOUR = "#c6dbef"  # a block no table holds that keeps its tokens and its hash
 CACHED_OUTLINE = "#08519c"      # drawn around every block the prefix cache holds

@@ -3,7 +3,7 @@ sharing saves beside the paper's figures."""
 
 import matplotlib.pyplot as plt
 
-from paged.sharing import BlockSteps, on_forward
+from paged.analysis.sharing import BlockSteps, on_forward
 from paged.viz.ch03_block_tables import PoolSnapshot, snapshot
 from paged.viz.common import PALETTE, html_table
 

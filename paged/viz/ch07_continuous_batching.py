@@ -6,9 +6,9 @@ from itertools import groupby
 
 import ipywidgets as widgets
 
-from paged.metrics import ReplayResult, StepRecord
+from paged.analysis.replay import ReplayResult
+from paged.engine.metrics import StepRecord
 from paged.viz.common import player
-
 
 TIMELINE_STATES = {  # state -> (colour, legend)
     "": ("#ffffff", "not arrived"),

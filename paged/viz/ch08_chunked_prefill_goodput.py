@@ -4,7 +4,8 @@ rates, and goodput against throughput under several SLOs."""
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.metrics import SLO, ReplayResult
+from paged.analysis.replay import ReplayResult
+from paged.engine.metrics import SLO
 from paged.viz.common import PALETTE
 
 

@@ -11,7 +11,7 @@ import html
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.speculative_cost import crossover_batch, expected_tokens, verify_speedup
+from paged.analysis.speculative_cost import crossover_batch, expected_tokens, verify_speedup
 
 
 def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
@@ -98,7 +98,7 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
 def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512,
                           points=(), verify_costs=None):
     """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per per-position
-    acceptance a, each step priced by step_cost (paged.step_cost.StepCost); where a curve crosses 1 is where
+    acceptance a, each step priced by step_cost (paged.analysis.step_cost.StepCost); where a curve crosses 1 is where
     speculation stops paying. points: (batch, speedup, label) measured, each with its own marker in the legend.
     verify_costs: {batch: a verify's timed cost in decode steps}; each curve then gets E(a, k) / that cost at those
     batch sizes, dotted, in its colour: the speedup at the timed verify cost instead of the modelled one."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
-from paged.block_manager import BlockManager, cdiv
+from paged.core.block_manager import BlockManager, cdiv
 from paged.viz.common import PALETTE, player
 
 OTHER_COLOUR = "#bbbbbb"   # blocks other sequences hold

@@ -109,7 +109,7 @@ def slot_replay(llm, prompt, steps: list[list]) -> list[SlotSnapshot]:
     """Drive a LoRA engine one batch per entry of `steps` (a list of LoRARequests): the prompt under each of them,
     one token each, so that the batch is one step and leaves; a snapshot of the slots before the first and after
     each. Which slot an adapter gets, and which adapter leaves, is the engine's own doing."""
-    from paged.sampling import SamplingParams
+    from paged.sampling_params import SamplingParams
 
     engine = llm.engine
     frames = [engine_slots(engine, caption=f"{engine.lora.max_loras} slots, "

@@ -5,8 +5,8 @@ under three scheduling policies, and two servers' tails against the request rate
 import matplotlib.pyplot as plt
 import numpy as np
 
-from paged.http_load import LoadResult
-from paged.sequence import RequestMetrics
+from paged.analysis.load_client import LoadResult
+from paged.core.sequence import RequestMetrics
 from paged.viz.common import PALETTE
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-from paged.parallel_cost import AllReduceTimes, kv_head_copies, kv_heads_by_rank, ring_all_reduce_bytes
+from paged.analysis.parallel_cost import AllReduceTimes, kv_head_copies, kv_heads_by_rank, ring_all_reduce_bytes
 from paged.viz.ch03_block_tables import FREE_COLOUR
 from paged.viz.common import PALETTE
 

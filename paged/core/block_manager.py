@@ -2,7 +2,7 @@
 (guide §5 "block tables", §6 "the physical pool").
 
 Nothing here touches tensors. A block is only a number: the index of a slab of `block_size` token slots in every
-layer's K and V pool (`kv_cache.py`). A sequence's block table lists the blocks that hold its tokens in order, so
+layer's K and V pool (`engine/kv_cache.py`). A sequence's block table lists the blocks that hold its tokens in order, so
 token t of a sequence lives in slot `table[t // block_size] * block_size + t % block_size` (its slot mapping).
 
 The free blocks wait in a doubly linked queue, as in vLLM v1's `block_pool.py`: taking one, returning one and
@@ -28,7 +28,7 @@ import hashlib
 import pickle
 from dataclasses import dataclass, field
 
-from .validation import block_size_of, integer
+from paged.validation import block_size_of, integer
 
 
 def canonical_extra_key(extra_key):

@@ -20,23 +20,24 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from .model_inputs import step_inputs
-from .block_manager import BlockManager
-from .config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
-from .geometry import KVGeometry, dtype_bytes
-from .validation import as_prompt_list, prompt_token_ids, real
-from .kv_cache import KVCache
-from .kv_connector import KVConnector
-from .lora import LoRAManager, LoRARequest
-from .model import PagedLlama, default_attention_backend
-from .models import load_model, model_config
-from .multiproc_executor import MultiprocExecutor, Worker
-from .tensor_parallel import check_tensor_parallel
-from .sampling import SamplingParams, decode_logprobs, sample, token_logprobs
-from .scheduler import Scheduler
-from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from .speculative import Speculator, resolve_draft
-from .stop_strings import check_stop_strings
+from paged.config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
+from paged.core.block_manager import BlockManager
+from paged.core.scheduler import Scheduler
+from paged.core.sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from paged.engine.kv_cache import KVCache
+from paged.engine.model_inputs import step_inputs
+from paged.engine.multiproc_executor import MultiprocExecutor, Worker
+from paged.engine.sampler import decode_logprobs, sample, token_logprobs
+from paged.engine.stop_strings import check_stop_strings
+from paged.geometry import KVGeometry, dtype_bytes
+from paged.kv_connector import KVConnector
+from paged.lora import LoRAManager, LoRARequest
+from paged.model.llama import PagedLlama, default_attention_backend
+from paged.model.loader import load_model, model_config
+from paged.model.tensor_parallel import check_tensor_parallel
+from paged.sampling_params import SamplingParams
+from paged.speculative import Speculator, resolve_draft
+from paged.validation import as_prompt_list, prompt_token_ids, real
 
 
 class LLMEngine:
@@ -46,7 +47,7 @@ class LLMEngine:
         """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
         draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it).
         kv_connector: where K/V come from or go to besides this pool (kv_connector.py; None: nowhere).
-        executor: the other ranks of a tensor-parallel model (multiproc_executor.py), model being rank 0's shard:
+        executor: the other ranks of a tensor-parallel model (engine/multiproc_executor.py), model being rank 0's shard:
         each step is sent to them, and their pools hold as many blocks as this one."""
         if config is None:
             config = EngineConfig(**settings)
@@ -153,7 +154,7 @@ class LLMEngine:
 
     def set_max_num_batched_tokens(self, value: int) -> None:
         """The token budget of the steps to come, checked as any setting (a server sizes it for the machine once
-        the model is loaded: token_budget.py)."""
+        the model is loaded: serving/token_budget.py)."""
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=value)
         self.scheduler.config = self.config
         self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
@@ -319,7 +320,7 @@ class LLMEngine:
         return entries
 
     def _stop_at_stop_strings(self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]]) -> list[Sequence]:
-        """The sequences whose new text completes one of their stop strings (stop_strings.py): each ends with
+        """The sequences whose new text completes one of their stop strings (engine/stop_strings.py): each ends with
         finish_reason "stop" and the string as its stop_reason; one still running gives its blocks back now."""
         stopped = []
         for (seq, _), new_tokens in zip(sampled, tokens):
@@ -518,7 +519,7 @@ class LLM:
     `kv_offloading_size` GiB of tier for the prefix cache; `kv_offload_dir`: a folder for both tiers as
     memory-mapped files (a disk tier) instead of host memory, files of this engine's own (kv_offload_files()).
     `tensor_parallel_size=N` splits the model across N ranks, this process and N - 1 workers
-    (tensor_parallel.py, multiproc_executor.py); kv_cache_memory and num_blocks are then per rank.
+    (model/tensor_parallel.py, engine/multiproc_executor.py); kv_cache_memory and num_blocks are then per rank.
     """
 
     def __init__(self, model="smollm2", tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
@@ -604,7 +605,7 @@ class LLM:
 
     def beam_search(self, prompts, beam_width: int = 4, max_tokens: int = 32, length_penalty: float = 1.0):
         """Beam search whose beams share blocks; returns one BeamSearchOutput per prompt, best beam first."""
-        from .beam_search import beam_search
+        from paged.beam_search import beam_search
         return beam_search(self.engine, as_prompt_list(prompts), beam_width, max_tokens, length_penalty)
 
     def kv_stats(self) -> dict:

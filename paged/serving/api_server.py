@@ -2,8 +2,8 @@
 
     python -m paged serve --port 8000 [--api-key KEY] [--lora-modules pirate=adapters/pirate]
 
-FastAPI and uvicorn carry the HTTP; an engine loop (async_engine.py) steps the engine while requests come and go, so
-every client shares every step: in an engine core process of its own under `python -m paged serve` (engine_core.py),
+FastAPI and uvicorn carry the HTTP; an engine loop (engine/async_llm.py) steps the engine while requests come and go, so
+every client shares every step: in an engine core process of its own under `python -m paged serve` (engine/engine_core.py),
 in a thread of this process for build_app(llm) in a notebook or a test. Routes, as vLLM's server names them:
   POST /v1/completions        prompt (text, or a list of token ids) -> text
   POST /v1/chat/completions   messages -> the tokenizer's chat template -> text
@@ -23,7 +23,7 @@ top-p (vLLM's default). /v1/completions also takes a batch of prompts, echo and 
 vLLM's extra fields min_p and include_stop_str_in_output mean what they mean in SamplingParams.
 
 `python -m paged serve` runs the engine as `vllm serve` runs it on a CPU (server_defaults): every prompt chunked,
-prefix caching on, and a token budget sized at start-up for this machine (token_budget.py), so that no step runs
+prefix caching on, and a token budget sized at start-up for this machine (serving/token_budget.py), so that no step runs
 so many prompt tokens that the streams waiting on it stall. `LLM`'s offline defaults are left as they are.
 
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
@@ -50,17 +50,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from .async_engine import AsyncLLM, StreamOutput
-from .engine_core import AsyncMPClient
-from .lora import LoRARequest, read_adapter_config
-from .sampling import Logprob, SamplingParams
-from .token_budget import MAX_TOKEN_BUDGET, size_token_budget
-from .validation import prompt_token_ids
+from paged.engine.async_llm import AsyncLLM, StreamOutput
+from paged.engine.engine_core import AsyncMPClient
+from paged.lora import LoRARequest, read_adapter_config
+from paged.sampling_params import Logprob, SamplingParams
+from paged.serving.token_budget import MAX_TOKEN_BUDGET, size_token_budget
+from paged.validation import prompt_token_ids
 
 # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -425,7 +424,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     """The FastAPI application serving `llm` under `model_name`, each adapter of lora_modules {name: folder} as a
     model of its own. `llm`: a paged.LLM (made with enable_lora=True if lora_modules are given), whose loop then runs
     in a thread of this process (AsyncLLM), or an AsyncMPClient, an engine core in a process of its own that
-    registered the same adapters when it started (engine_core.py; `python -m paged serve`). allowed_hosts: the host
+    registered the same adapters when it started (engine/engine_core.py; `python -m paged serve`). allowed_hosts: the host
     names a request's Host header may give (loopback by default, so that a web page cannot reach a server on this
     machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
@@ -868,7 +867,7 @@ UNCHUNKED_TOKEN_BUDGET = 2048   # vllm serve's on a CPU, for a server told not t
 def server_defaults() -> dict:
     """The engine settings `python -m paged serve` uses unless told otherwise, vllm serve's on a CPU: every prompt
     chunked, prefix caching on, up to 128 sequences. Its token budget (None here) is sized for the machine once the
-    model is loaded (token_budget.py). `LLM`'s own defaults, for offline batches, are unchanged."""
+    model is loaded (serving/token_budget.py). `LLM`'s own defaults, for offline batches, are unchanged."""
     return {"block_size": 16, "num_blocks": None, "max_num_seqs": 128, "max_num_batched_tokens": None,
             "enable_chunked_prefill": True, "enable_prefix_caching": True}
 
@@ -876,7 +875,7 @@ def server_defaults() -> dict:
 def serving_llm(model="smollm2", **settings):
     """An LLM with the server's defaults (server_defaults), any of them overridden by settings. Returns it and, when
     its token budget was left to the machine (max_num_batched_tokens None), the TokenBudget it was sized to."""
-    from . import LLM
+    from paged import LLM
 
     settings = {**server_defaults(), **settings}
     budget = settings.pop("max_num_batched_tokens")
@@ -891,7 +890,7 @@ def serving_llm(model="smollm2", **settings):
 
 
 def main(args) -> None:
-    """`python -m paged serve`: start the engine core process (engine_core.py), which loads the model; build the app
+    """`python -m paged serve`: start the engine core process (engine/engine_core.py), which loads the model; build the app
     over it; serve until interrupted."""
     lora_modules = parse_lora_modules(args.lora_modules or [])
     served_name = args.served_model_name or args.model

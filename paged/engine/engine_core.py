@@ -7,7 +7,7 @@ load the steps grow longer, and every stream waits on them. vLLM V1 splits the t
 `python -m paged serve`:
 
     server process (uvicorn)                           engine core process
-    HTTP, JSON, SSE; text and stop strings    --->     the EngineLoop of async_engine.py: take requests and
+    HTTP, JSON, SSE; text and stop strings    --->     the EngineLoop of engine/async_llm.py: take requests and
     (AsyncMPClient: AsyncLLM's methods)      <---      aborts, step, emit each request's new token ids
 
 They talk over a pipe, in the messages EngineLoop emits and takes (requests, aborts, token ids, the metrics hook's
@@ -20,7 +20,7 @@ import multiprocessing
 import signal
 import threading
 
-from .async_engine import AsyncLLM, EngineLoop
+from paged.engine.async_llm import AsyncLLM, EngineLoop
 
 READY_POLL_S = 1.0      # how often the server checks that the engine core is still alive while it loads
 HEALTH_POLL_S = 0.5     # how often the engine core looks for a dead tensor-parallel worker
@@ -30,7 +30,7 @@ def run_engine_core(conn, model, settings: dict, lora_modules: dict) -> None:
     """The engine core process: load the model as the server would (serving_llm), tell the server it is ready
     (its limits, the token budget it sized), then run the loop on what arrives until told to stop or until the
     server is gone."""
-    from .server import lora_requests, serving_llm
+    from paged.serving.api_server import lora_requests, serving_llm
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle: it stops this process
     try:
         llm, sized = serving_llm(model, **settings)
@@ -87,7 +87,7 @@ class AsyncMPClient(AsyncLLM):
     def start(cls, model, settings: dict, lora_modules: dict | None = None) -> "AsyncMPClient":
         """Start the engine core on `model` with serving_llm's settings and the adapters {name: folder}; raises
         what loading raised there (a ValueError for a bad setting)."""
-        from .models import model_tokenizer
+        from paged.model.loader import model_tokenizer
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         # not a daemon: a tensor-parallel engine core starts worker processes of its own

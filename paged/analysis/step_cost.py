@@ -2,8 +2,8 @@
 
 A step of the engine is one forward pass over its batched tokens. `StepCost` prices it from four numbers of the
 step (a constant, its batched tokens, its scheduled sequences, the (query, key) pairs attention computes), fitted
-by least squares to steps timed on a machine (`StepCost.fit`, benchmarks/step_cost.py). paged/metrics.py's
-replay driver charges each step this cost on its simulated clock; paged/speculative_cost.py prices a verify step
+by least squares to steps timed on a machine (`StepCost.fit`, benchmarks/step_cost.py). paged/engine/metrics.py's
+replay driver charges each step this cost on its simulated clock; paged/analysis/speculative_cost.py prices a verify step
 with it.
 """
 
@@ -32,7 +32,7 @@ class StepCost:
 
     @classmethod
     def fit(cls, steps: list) -> "StepCost":
-        """Least squares over steps timed with the real clock (paged.metrics.StepRecord: a duration and the three
+        """Least squares over steps timed with the real clock (paged.engine.metrics.StepRecord: a duration and the three
         counts), on relative errors (each row divided by its duration), so that a 40 ms decode step counts as
         much as a 2 s prefill."""
         features = np.array([[1, s.num_batched_tokens, s.num_seqs, s.num_pairs] for s in steps], dtype=float)

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import AllocStatus, BlockManager
-from .config import EngineConfig
-from .kv_connector import KVConnector, KVConnectorMetadata
-from .sequence import Request, Sequence, SequenceStatus
+from paged.config import EngineConfig
+from paged.core.block_manager import AllocStatus, BlockManager
+from paged.core.sequence import Request, Sequence, SequenceStatus
+from paged.kv_connector import KVConnector, KVConnectorMetadata
 
 
 @dataclass

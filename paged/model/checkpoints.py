@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .architectures import check_supported, layer_tensor_shapes
-from .model import LayerWeights, ModelWeights, PagedLlama
+from paged.model.architectures import check_supported, layer_tensor_shapes
+from paged.model.llama import LayerWeights, ModelWeights, PagedLlama
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,7 +48,7 @@ def resolve_folder(model: str, argument: str = "model") -> Path:
 
 
 def read_config(folder: Path, argument: str = "model"):
-    """transformers' config for the folder, and the description of its architecture (architectures.py)."""
+    """transformers' config for the folder, and the description of its architecture (model/architectures.py)."""
     from transformers import AutoConfig
     if not (folder / CONFIG).is_file():
         raise ValueError(f"model folder {str(folder)!r} has no {CONFIG}")
@@ -222,7 +222,7 @@ def read_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, argu
     if missing:
         raise ValueError(f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    # popped, so that weights holds the only reference and the model's setup can replace tensors (packed_linear.py)
+    # popped, so that weights holds the only reference and the model's setup can replace tensors (model/packed_linear.py)
     layers = [LayerWeights(**{name: tensors.pop(f"layers.{index}.{name}") for name in arch.layer_tensors()})
               for index in range(config.num_hidden_layers)]
     embed = tensors.pop("embed_tokens")

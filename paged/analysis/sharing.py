@@ -28,7 +28,7 @@ How each figure is obtained, and where it differs from the paper:
   above: by then a child forked at the previous step holds its own copy of its parent's partial last block.
   The model is whatever `llm` holds: a tiny random Llama (fast, random-token prompts, but its beams are not those of
   a trained model) or SmolLM2 (trained, 135 M parameters; the paper used OPT-13B).
-- We use the paper's block size (16) and our seeded traces (`paged.traces`), which match the datasets' mean
+- We use the paper's block size (16) and our seeded traces (`paged.analysis.traces`), which match the datasets' mean
   lengths but not their exact distributions.
 """
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager, cdiv
-from .traces import TraceRequest
+from paged.analysis.traces import TraceRequest
+from paged.core.block_manager import BlockManager, cdiv
 
 WIDTHS = (2, 4, 6)  # the paper's n and beam widths
 

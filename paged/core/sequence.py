@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import Logprob, SamplingParams
+from paged.sampling_params import Logprob, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -32,7 +32,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None    # "stop" (EOS, a stop token or a stop string), "length" or "abort"
         self.stop_reason: str | None = None      # the stop string that ended it (params.stop), if one did
-        self.generator = generator               # seeded: its n-th draw is output position n's noise (sampling.py)
+        self.generator = generator               # seeded: its n-th draw is output position n's noise (engine/sampler.py)
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] draft's q, when sampled

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import SamplingParams
+from paged.sampling_params import SamplingParams
 
 CALIBRATION_TOKENS = 512     # the prompt timed as one step
 MAX_TOKEN_BUDGET = 8192      # vLLM's server default on a large GPU; more gains nothing on one step

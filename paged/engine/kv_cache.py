@@ -1,7 +1,7 @@
 """The physical KV pool (guide §6): for every layer, one K and one V tensor of shape
 [num_blocks, block_size, num_kv_heads, head_dim] (NHD layout), allocated once when the engine starts.
 
-Block i of every layer's pool belongs to whichever sequence's block table holds i; `block_manager.py` decides that.
+Block i of every layer's pool belongs to whichever sequence's block table holds i; `core/block_manager.py` decides that.
 The pool is zero-filled so that a slot never written holds a finite number (masked attention multiplies it by 0).
 """
 

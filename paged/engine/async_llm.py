@@ -15,7 +15,7 @@ What the loop guarantees:
   - the engine is touched only from the loop's thread, so nothing in it needs a lock;
   - text is decoded incrementally and a delta never ends inside a multi-byte character (a token holding half of
     one waits for the next token);
-  - stop strings end a completion here: its text is cut before the string (stop_strings.py, as offline), and its
+  - stop strings end a completion here: its text is cut before the string (engine/stop_strings.py, as offline), and its
     sequence is aborted in the engine (blocks freed) before the loop's next step begins, or the one after if that
     step had begun, while the request's other completions go on;
   - a consumer that stops listening (a client that disconnects, a cancelled task) aborts its request, and its
@@ -34,12 +34,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .engine import LLMEngine
-from .metrics import StepRecord, read_step
-from .validation import prompt_token_ids
-from .sampling import Logprob, SamplingParams
-from .sequence import RequestMetrics
-from .stop_strings import check_stop_strings, stop_hold_back
+from paged.core.sequence import RequestMetrics
+from paged.engine.llm_engine import LLMEngine
+from paged.engine.metrics import StepRecord, read_step
+from paged.engine.stop_strings import check_stop_strings, stop_hold_back
+from paged.sampling_params import Logprob, SamplingParams
+from paged.validation import prompt_token_ids
 
 IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
 NUM_TRACED_STEPS = 4096   # the loop keeps the record of this many of its latest steps (AsyncLLM.steps)
@@ -136,7 +136,7 @@ class IncrementalDetokenizer:
 
 
 class CompletionTracker:
-    """The loop's view of one completion: the tokens sent, its text, its stop strings (stop_strings.py). With stop
+    """The loop's view of one completion: the tokens sent, its text, its stop strings (engine/stop_strings.py). With stop
     strings cut from the text, the last (longest stop string - 1) characters are held back until the next token
     shows they do not begin one."""
 
@@ -228,7 +228,7 @@ class EngineLoop:
         ("failed", request_id, error)          a step failed (and was undone): the request is aborted
         ("stats", engine.kv_stats(), [StreamOutput of each request that ended])   after each turn that did anything,
                                                                                    when made with stats=True
-    In a thread of the server's process (AsyncLLM) or in a process of its own (engine_core.py), the same loop."""
+    In a thread of the server's process (AsyncLLM) or in a process of its own (engine/engine_core.py), the same loop."""
 
     def __init__(self, engine: LLMEngine, emit, stats: bool = True):
         self.engine, self.emit, self.stats = engine, emit, stats
@@ -404,7 +404,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._core.run, name="paged-engine-loop", daemon=True)
         self._thread.start()
 
-    # ---- how the loop is reached (a thread here; a process in engine_core.py) --------------------------------
+    # ---- how the loop is reached (a thread here; a process in engine/engine_core.py) --------------------------------
 
     def _send(self, message) -> None:
         self._inbox.put(message)

@@ -1,7 +1,7 @@
 """What differs between the Llama-family decoders the engine runs (guide §2): one description per architecture.
 
 Llama, Mistral, Qwen2 and Qwen3 are the same decoder: RMSNorm, fused QKV, RoPE, attention, O, RMSNorm, SiLU-gated
-MLP. They differ in a few switches, and only these switches; the forward pass (model.py) reads them:
+MLP. They differ in a few switches, and only these switches; the forward pass (model/llama.py) reads them:
 
     LlamaForCausalLM     the reference (Llama 2/3, SmolLM2), any RoPE scaling with one table for every position
     MistralForCausalLM   + a sliding window: attention sees the last `sliding_window` tokens only

@@ -39,7 +39,7 @@ rejection sampling above.
 
 import torch
 
-from .sampling import exponential_noise, seeded_token
+from paged.engine.sampler import exponential_noise, seeded_token
 
 
 def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from paged.analysis.traces import TraceRequest
 from paged.geometry import blocks_for_tokens
-from paged.traces import TraceRequest
 
 NAIVE_POLICIES = ("max", "pow2", "oracle")
 PAPER_ORCA_USAGE = {"max": 0.204, "pow2": 0.268, "oracle": 0.382}    # token states / KV memory, paper Fig. 2

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from .kv_cache import KVCache
-from .tensor_parallel import TensorParallelGroup
+from paged.engine.kv_cache import KVCache
+from paged.model.tensor_parallel import TensorParallelGroup
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)  # for every rank to reach rank 0's store
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -86,7 +86,7 @@ def run_worker(rank: int, size: int, address: str, port: int, num_threads: int |
 
     from transformers.utils import logging as hf_logging
 
-    from .models import load_model
+    from paged.model.loader import load_model
     hf_logging.disable_progress_bar()   # rank 0 shows how the loading goes
     if num_threads:
         torch.set_num_threads(num_threads)

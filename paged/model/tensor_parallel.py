@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from .architectures import head_dim
+from paged.model.architectures import head_dim
 
 # A rank waiting for the next step may wait as long as the engine is idle; a rank that dies closes its connections,
 # which its peers see at once, so this limit only ends a wait that nothing will ever answer.
@@ -84,7 +84,7 @@ def plan_shard(config, vocab_size: int, rank: int, size: int) -> Shard:
 
 
 def shard_weights(weights, config, shard: Shard):
-    """This rank's part of a ModelWeights (model.py's layout), as tensors of its own (the whole model's can go)."""
+    """This rank's part of a ModelWeights (model/llama.py's layout), as tensors of its own (the whole model's can go)."""
     dim = head_dim(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -1,6 +1,6 @@
 """The Llama-family forward pass over HF weights, reading and writing the paged KV cache (guide §5, §7).
 
-transformers supplies the weights (a model object, or a checkpoint folder read by checkpoints.py) and the rotary
+transformers supplies the weights (a model object, or a checkpoint folder read by model/checkpoints.py) and the rotary
 table; the attention path is ours. One forward call runs a whole engine step: the new tokens of every scheduled
 sequence, flattened into one [num_tokens] batch (single-token decodes first, then prefill chunks), so every matmul
 sees all of them at once. Attention then splits into a decode call (one query per sequence) and a prefill call (a
@@ -10,7 +10,7 @@ Per layer:  x -> RMSNorm -> fused QKV (+ bias) -> (per-head q/k RMSNorm) -> RoPE
               -> paged attention -> O -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
 
 That is transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM; what differs
-between them (the bracketed steps, the sliding window) is read from their description in architectures.py, which
+between them (the bracketed steps, the sliding window) is read from their description in model/architectures.py, which
 refuses by name a model this forward pass would run wrongly. Every other setting is honoured: any head_dim, tied or
 untied embeddings, the static RoPE scalings (linear, dynamic within max_position_embeddings, yarn, llama3), whose
 table comes from the model's own rotary module.
@@ -24,10 +24,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from . import attention as torch_attention
-from . import kernels
-from .architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
-from .packed_linear import linear, pack
+from paged import kernels
+from paged.model import attention as torch_attention
+from paged.model.architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
+from paged.model.packed_linear import linear, pack
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 
@@ -240,7 +240,7 @@ class PagedLlama:
     def from_weights(cls, config, arch: Architecture, weights: ModelWeights, rotary_emb,
                      backend: str = "torch", tensor_parallel=None) -> "PagedLlama":
         """rotary_emb: transformers' rotary module for this config (it gives the cos and sin tables).
-        tensor_parallel: this rank's TensorParallelGroup (tensor_parallel.py), whose shard the weights already are;
+        tensor_parallel: this rank's TensorParallelGroup (model/tensor_parallel.py), whose shard the weights already are;
         the forward pass then adds the ranks' partial sums and gathers their logits."""
         model = cls.__new__(cls)
         model._setup(config, arch, weights, rotary_emb, backend, tensor_parallel)
@@ -267,7 +267,7 @@ class PagedLlama:
                              f"use 'triton' or 'torch' there")
         self.backend = attention_backend(backend, self.dtype)
         self.embed_tokens, self.final_norm = weights.embed_tokens, weights.final_norm
-        # On a CPU, each matmul's weight is reordered once for oneDNN (packed_linear.py), in place, one tensor at a
+        # On a CPU, each matmul's weight is reordered once for oneDNN (model/packed_linear.py), in place, one tensor at a
         # time, so the plain one is freed as its packed copy is made; a tied LM head gets a packed copy of its own
         # and the embedding lookup keeps the plain table.
         self.lm_head = pack(weights.lm_head)

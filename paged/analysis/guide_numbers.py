@@ -20,12 +20,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paged.fragmentation import four_request_example
-from paged.geometry import (H100_MEMORY, H100_SXM_BANDWIDTH, H100_SXM_BF16_FLOPS, GiB, KiB, LLAMA3_70B_PARAMS, MiB,
-                            KVGeometry, block_table_bytes, decode_step_flops_per_byte, read_time_s, worked_example)
-from paged.metrics import RequestRecord
-from paged.speculative_cost import expected_tokens
-from paged.traces import sharegpt_trace
+from paged.analysis.fragmentation import four_request_example
+from paged.analysis.speculative_cost import expected_tokens
+from paged.analysis.traces import sharegpt_trace
+from paged.engine.metrics import RequestRecord
+from paged.geometry import (
+    H100_MEMORY,
+    H100_SXM_BANDWIDTH,
+    H100_SXM_BF16_FLOPS,
+    LLAMA3_70B_PARAMS,
+    GiB,
+    KiB,
+    KVGeometry,
+    MiB,
+    block_table_bytes,
+    decode_step_flops_per_byte,
+    read_time_s,
+    worked_example,
+)
 
 GB = 1e9
 PAPER_KV_IN_USE = (0.204, 0.382)       # vLLM paper, Fig. 2: share of reserved KV memory holding tokens, old systems

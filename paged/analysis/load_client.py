@@ -2,9 +2,9 @@
 
 `run_load` sends streamed completion requests to any OpenAI-compatible server (this package's `python -m paged
 serve`, or `vllm serve`): Poisson arrivals at a rate, or a fixed number in flight. Each request is a prompt of
-random token ids with a ShareGPT- or Alpaca-like length (`paged.traces`), asking for exactly its trace output length
+random token ids with a ShareGPT- or Alpaca-like length (`paged.analysis.traces`), asking for exactly its trace output length
 (`ignore_eos`, an extra field both servers take). The client stamps, on its own clock, when it sent each request,
-when each chunk arrived (one per engine step that produced tokens) and when the stream ended; those become `paged.metrics.RequestRecord`s, so the
+when each chunk arrived (one per engine step that produced tokens) and when the stream ended; those become `paged.engine.metrics.RequestRecord`s, so the
 engine's summaries apply: TTFT, TPOT, ITL (the gaps between chunks, as vLLM's benchmark counts them), end-to-end
 latency and goodput. While the load runs, /metrics can be polled to follow the server's KV-cache usage and queues.
 """
@@ -19,8 +19,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from .metrics import SLO, RequestRecord, percentiles, poisson_arrivals, summarize
-from .traces import ALPACA, SHAREGPT, make_trace
+from paged.analysis.replay import poisson_arrivals
+from paged.analysis.traces import ALPACA, SHAREGPT, make_trace
+from paged.engine.metrics import SLO, RequestRecord, percentiles, summarize
 
 PROFILES = {"sharegpt": SHAREGPT, "alpaca": ALPACA}
 TOKEN_ID_RANGE = (1000, 20000)   # random prompt ids from here: real words in any tokenizer of 32k+ entries
@@ -56,7 +57,7 @@ class LoadResult:
 
 def make_requests(num_prompts: int, profile: str = "sharegpt", seed: int = 0, max_input_len: int = 1024,
                   max_output_len: int = 1024) -> list[LoadRequest]:
-    """num_prompts requests with the profile's lengths (those of paged.traces for a 2,048-token model) clipped to
+    """num_prompts requests with the profile's lengths (those of paged.analysis.traces for a 2,048-token model) clipped to
     max_input_len and max_output_len, prompts of random token ids; seeded."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")

@@ -2,7 +2,7 @@
 
 A verify step appends E(a, k) = 1 + a + ... + a^k tokens per sequence on average (`expected_tokens`) for the price
 of one forward pass over k + 1 tokens per sequence; a plain decode step appends one token for a pass over one.
-`verify_speedup` prices both passes with a step-cost model (paged/step_cost.py) and `crossover_batch` finds the
+`verify_speedup` prices both passes with a step-cost model (paged/analysis/step_cost.py) and `crossover_batch` finds the
 batch size where speculation stops paying; `measure_step` times the same two passes on the engine's own model, and
 `break_even_acceptance` turns a timed verify cost into the acceptance a proposer needs to pay at it.
 Two acceptances are kept apart: the per-position probability a of the model above, and the rate r = accepted /
@@ -12,8 +12,8 @@ The mechanism itself (proposers, verify, rollback) is paged/speculative.py.
 
 import time
 
-from .model_inputs import prepare_inputs
-from .block_manager import cdiv
+from paged.core.block_manager import cdiv
+from paged.engine.model_inputs import prepare_inputs
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -63,7 +63,7 @@ def verify_speedup(step_cost, batch: int, num_drafts: int, acceptance: float, co
                    draft_cost: float = 0.0) -> float:
     """Modelled speedup of speculation for `batch` sequences decoding at `context` tokens: E(a, k) tokens per
     verify step against one token per plain decode step, each step priced by step_cost(num_batched_tokens,
-    num_seqs, num_pairs) (a paged.step_cost.StepCost). A verify scores k + 1 tokens per sequence; draft_cost is one
+    num_seqs, num_pairs) (a paged.analysis.step_cost.StepCost). A verify scores k + 1 tokens per sequence; draft_cost is one
     draft step's cost relative to a plain decode step (0 for prompt lookup).
 
     While a step is dominated by its fixed cost (reading the weights once, Python), k + 1 tokens cost about what

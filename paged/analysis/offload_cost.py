@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from .geometry import H100_SXM_BF16_FLOPS, KVGeometry
-from .sampling import SamplingParams
+from paged.geometry import H100_SXM_BF16_FLOPS, KVGeometry
+from paged.sampling_params import SamplingParams
 
 PCIE5_X16_BANDWIDTH = 64e9   # bytes/s one way, PCIe 5.0 x16 (32 GT/s x 16 lanes, before protocol overhead)
 PREFILL_MFU = 0.5            # share of peak FLOP/s of a large model's long prefill; a small model's reaches less

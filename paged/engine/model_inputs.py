@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .block_manager import BlockManager
-from .model import AttentionMetadata
-from .sequence import Sequence
+from paged.core.block_manager import BlockManager
+from paged.core.sequence import Sequence
+from paged.model.llama import AttentionMetadata
 
 
 @dataclass

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server (guide §13): request models, routes, and the token budget its steps run under.
+"""
