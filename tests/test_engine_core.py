@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (engine/engine_core.py), as `python -m paged serve` runs it: the same answers
+"""The engine core in a process of its own (serving/engine_core.py), as `python -m paged serve` runs it: the same answers
 as LLM.generate, text and stop strings made on the server's side, metrics fed across the pipe, a dead engine core
 reported instead of waited on, and no process left behind."""
 
@@ -14,8 +14,8 @@ import pytest
 from test_checkpoints import random_model, save
 
 from paged import LLM, SamplingParams
-from paged.engine.engine_core import AsyncMPClient
 from paged.serving.api_server import build_app, serve_in_thread, server_defaults
+from paged.serving.engine_core import AsyncMPClient
 
 DEADLINE_S = 60.0
 PROMPTS = [[5, 6, 7, 8], list(range(20, 60)), [9] * 12]

@@ -228,7 +228,7 @@ class EngineLoop:
         ("failed", request_id, error)          a step failed (and was undone): the request is aborted
         ("stats", engine.kv_stats(), [StreamOutput of each request that ended])   after each turn that did anything,
                                                                                    when made with stats=True
-    In a thread of the server's process (AsyncLLM) or in a process of its own (engine/engine_core.py), the same loop."""
+    In a thread of the server's process (AsyncLLM) or in a process of its own (serving/engine_core.py), the same loop."""
 
     def __init__(self, engine: LLMEngine, emit, stats: bool = True):
         self.engine, self.emit, self.stats = engine, emit, stats
@@ -404,7 +404,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._core.run, name="paged-engine-loop", daemon=True)
         self._thread.start()
 
-    # ---- how the loop is reached (a thread here; a process in engine/engine_core.py) --------------------------------
+    # ---- how the loop is reached (a thread here; a process in serving/engine_core.py) --------------------------------
 
     def _send(self, message) -> None:
         self._inbox.put(message)

@@ -3,7 +3,7 @@
     python -m paged serve --port 8000 [--api-key KEY] [--lora-modules pirate=adapters/pirate]
 
 FastAPI and uvicorn carry the HTTP; an engine loop (engine/async_llm.py) steps the engine while requests come and go, so
-every client shares every step: in an engine core process of its own under `python -m paged serve` (engine/engine_core.py),
+every client shares every step: in an engine core process of its own under `python -m paged serve` (serving/engine_core.py),
 in a thread of this process for build_app(llm) in a notebook or a test. Routes, as vLLM's server names them:
   POST /v1/completions        prompt (text, or a list of token ids) -> text
   POST /v1/chat/completions   messages -> the tokenizer's chat template -> text
@@ -55,9 +55,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from paged.engine.async_llm import AsyncLLM, StreamOutput
-from paged.engine.engine_core import AsyncMPClient
 from paged.lora import LoRARequest, read_adapter_config
 from paged.sampling_params import Logprob, SamplingParams
+from paged.serving.engine_core import AsyncMPClient
 from paged.serving.token_budget import MAX_TOKEN_BUDGET, size_token_budget
 from paged.validation import prompt_token_ids
 
@@ -424,7 +424,7 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     """The FastAPI application serving `llm` under `model_name`, each adapter of lora_modules {name: folder} as a
     model of its own. `llm`: a paged.LLM (made with enable_lora=True if lora_modules are given), whose loop then runs
     in a thread of this process (AsyncLLM), or an AsyncMPClient, an engine core in a process of its own that
-    registered the same adapters when it started (engine/engine_core.py; `python -m paged serve`). allowed_hosts: the host
+    registered the same adapters when it started (serving/engine_core.py; `python -m paged serve`). allowed_hosts: the host
     names a request's Host header may give (loopback by default, so that a web page cannot reach a server on this
     machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
@@ -890,7 +890,7 @@ def serving_llm(model="smollm2", **settings):
 
 
 def main(args) -> None:
-    """`python -m paged serve`: start the engine core process (engine/engine_core.py), which loads the model; build the app
+    """`python -m paged serve`: start the engine core process (serving/engine_core.py), which loads the model; build the app
     over it; serve until interrupted."""
     lora_modules = parse_lora_modules(args.lora_modules or [])
     served_name = args.served_model_name or args.model
