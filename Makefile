@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH_INDEX ?= $(shell [ "$$(uname -s)" = Linux ] && ! command -v nvidia-smi >/dev/null && \
                  echo https://download.pytorch.org/whl/cpu)
 
-.PHONY: setup demo test test-portable test-browser test-laptop test-triton check-wheels book reset-chapters lab bench \
+.PHONY: setup demo test lint test-portable test-browser test-laptop test-triton check-wheels book reset-chapters lab bench \
         bench-vllm bench-serve vllm-venv guidellm-venv clean
 
 setup: $(STAMP)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# ruff's lint rules and import order (pyproject.toml). Its formatter is not run: it puts two spaces before every
+# trailing comment, which would undo the column of tensor shapes that the modules keep beside their code.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # the chapters again on one thread and on a vector instruction set other than this CPU's best (AVX2 where the CPU has
 # AVX-512, torch's plain C++ paths where it has AVX2): an output that depends on the machine fails here
