@@ -80,25 +80,14 @@ class KVConnector:
         """The requests whose kept blocks were saved since the last call: the scheduler may free them."""
         return set()
 
-    # ---- an engine step is a transaction (LLMEngine.transaction) --------------------------------------------
+    # ---- an engine step is a transaction (engine/journal.py) ------------------------------------------------
 
-    _saved = None
+    def checkpoint(self) -> object:
+        """The connector's queues as an engine step found them, for restore; this one keeps none."""
+        return None
 
-    def begin(self) -> None:
-        self._saved = self._state()
-
-    def commit(self) -> None:
-        self._saved = None
-
-    def rollback(self) -> None:
-        self._restore(self._saved)
-        self._saved = None
-
-    def _state(self) -> tuple:
-        return ()
-
-    def _restore(self, state: tuple) -> None:
-        pass
+    def restore(self, record: object) -> None:
+        """Put the queues back as checkpoint found them."""
 
 
 @dataclass
@@ -106,6 +95,14 @@ class SavedKV:
     """A finished prefill's K/V, ready to send: the request and its prompt's blocks."""
     request: object
     kv: torch.Tensor  # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class ProducerState:
+    """A KVProducer's queues as an engine step found them."""
+    to_save: list[tuple[object, list[int]]]
+    saved: list[SavedKV]
+    finished_saving: set[str]
 
 
 class KVProducer(KVConnector):
@@ -142,11 +139,19 @@ class KVProducer(KVConnector):
         saved, self.saved = self.saved, []
         return saved
 
-    def _state(self):
-        return list(self.to_save), list(self.saved), set(self.finished_saving)
+    def checkpoint(self) -> "ProducerState":
+        return ProducerState(list(self.to_save), list(self.saved), set(self.finished_saving))
 
-    def _restore(self, state):
-        self.to_save, self.saved, self.finished_saving = state
+    def restore(self, record: "ProducerState") -> None:
+        self.to_save, self.saved = list(record.to_save), list(record.saved)
+        self.finished_saving = set(record.finished_saving)
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    """A KVConsumer's received K/V and pending loads as an engine step found them."""
+    received: dict[str, torch.Tensor]
+    to_load: list[tuple[str, list[int], int]]
 
 
 class KVConsumer(KVConnector):
@@ -192,8 +197,8 @@ class KVConsumer(KVConnector):
             kv = self.received.pop(request_id)
             kv_cache.storage[:, :, block_ids] = kv[:, :, first:first + len(block_ids)].to(kv_cache.storage.device)
 
-    def _state(self):
-        return dict(self.received), list(self.to_load)
+    def checkpoint(self) -> "ConsumerState":
+        return ConsumerState(dict(self.received), list(self.to_load))
 
-    def _restore(self, state):
-        self.received, self.to_load = state
+    def restore(self, record: "ConsumerState") -> None:
+        self.received, self.to_load = dict(record.received), list(record.to_load)

@@ -408,6 +408,16 @@ class LoRABatch:
 
 # ---- the engine's side: registry, slots, steps ------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class LoRAState:
+    """The LoRA slots as an engine step found them (LoRAManager.checkpoint)."""
+    num_steps: int
+    slot_ids: tuple[int | None, ...]   # the adapter id in each slot
+    last_used: tuple[int, ...]
+    num_loads: int
+    num_evictions: int
+
+
 class LoRAManager:
     """The host registry (every adapter requested so far, checked and read once), the device slots, and the step
     plumbing: which adapter a request runs under, and the LoRABatch for each forward pass."""
@@ -466,6 +476,24 @@ class LoRAManager:
             for lora_id in set(self.registry) - before:
                 del self.registry[lora_id]
             raise
+
+    def checkpoint(self) -> "LoRAState":
+        """The adapter in each slot and the counts, as an engine step found them (engine/journal.py)."""
+        slots = self.slots
+        return LoRAState(self.num_steps, tuple(slots.slot_ids), tuple(slots.last_used), slots.num_loads,
+                         slots.num_evictions)
+
+    def restore(self, record: "LoRAState") -> None:
+        """The adapters each slot held before the undone step: one it replaced is loaded again from the host."""
+        slots = self.slots
+        for slot, lora_id in enumerate(record.slot_ids):
+            if slots.slot_ids[slot] != lora_id:
+                if lora_id is None:
+                    slots.slot_ids[slot] = None     # empty again: whatever it holds is never read
+                else:
+                    slots.load(self.registry[lora_id], slot)
+        self.num_steps, slots.last_used = record.num_steps, list(record.last_used)
+        slots.num_loads, slots.num_evictions = record.num_loads, record.num_evictions
 
     def prepare_step(self, batch: list, running: list) -> tuple[list, LoRABatch]:
         """batch [(sequence, num_new)] in the scheduler's order (`plan.batch`: decodes first, each adapter's

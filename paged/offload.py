@@ -22,7 +22,8 @@ Two uses, two tiers, two bookkeepers:
 
 The scheduler decides which blocks move (it touches no tensor); the engine makes the copies before the forward pass
 (swap-outs, then copy-on-write, then swap-ins and tier hits) and stores the step's new cached blocks after it.
-Both bookkeepers take part in the engine step's transaction (`begin`, `commit`, `rollback`), as the pool's does.
+Both bookkeepers take part in the engine step's transaction (engine/journal.py: `checkpoint`, `restore`,
+`stop_logging`), as the pool's does.
 """
 
 import math
@@ -190,10 +191,9 @@ class KVTier:
         if self.log is not None:
             self.log.append(len(slots))
 
-    def undo(self) -> set[int]:
-        """Undo the logged takes and give-backs, newest first, so the free list is as it was, and close the log.
-        Returns the slots taken meanwhile: whatever they held may have been overwritten."""
-        log, self.log = self.log, None
+    def undo(self, log: list) -> set[int]:
+        """Undo the takes and give-backs in log (closed: self.log is None), newest first, so the free list is as it
+        was. Returns the slots taken meanwhile: whatever they held may have been overwritten."""
         taken = set()
         for entry in reversed(log):
             if isinstance(entry, int):
@@ -336,6 +336,15 @@ def delete_stale_files(folder: Path) -> list[Path]:
     return deleted
 
 
+@dataclass(frozen=True)
+class SwapSpaceState:
+    """Swap preemption's bookkeeping as an engine step found it (SwapSpace.checkpoint)."""
+    slots: dict[int, list[int]]
+    swap_out_blocks: int
+    swap_in_blocks: int
+    tier_log: list      # the tier's takes and give-backs while the step runs (KVTier.log)
+
+
 class SwapSpace:
     """Swap preemption's bookkeeping: which tier slots hold each swapped sequence's blocks, in table order."""
 
@@ -345,7 +354,6 @@ class SwapSpace:
         self.slots: dict[int, list[int]] = {}  # seq_id -> tier slots of its blocks
         self.swap_out_blocks = 0                # cumulative
         self.swap_in_blocks = 0
-        self._saved = None                      # in a transaction: the slots and counts as they were
 
     def can_swap_out(self, seq_id: int, num_tokens: int) -> bool:
         """Can seq_id's blocks holding its first num_tokens tokens move out whole? Not if one of them is shared."""
@@ -377,19 +385,23 @@ class SwapSpace:
         """Forget a swapped sequence (aborted, or to be recomputed instead)."""
         self.tier.give_back(self.slots.pop(seq_id, []))
 
-    def begin(self) -> None:
-        self._saved = dict(self.slots), self.swap_out_blocks, self.swap_in_blocks
-        self.tier.log = []
+    def checkpoint(self) -> "SwapSpaceState":
+        """Open a transaction: the slots and counts as they are now, and a log of the tier's takes from now on."""
+        record = SwapSpaceState({seq_id: list(slots) for seq_id, slots in self.slots.items()}, self.swap_out_blocks,
+                                self.swap_in_blocks, tier_log=[])
+        self.tier.log = record.tier_log
+        return record
 
-    def commit(self) -> None:
-        self._saved = self.tier.log = None
+    def stop_logging(self) -> None:
+        self.tier.log = None
 
-    def rollback(self, written: bool) -> list[int]:
-        """Back to begin. written: K/V were written since, into the slots taken meanwhile; returns the swapped
+    def restore(self, record: "SwapSpaceState", written: bool) -> list[int]:
+        """Back to checkpoint. written: K/V were written since, into the slots taken meanwhile; returns the swapped
         sequences whose slots were among them (their K/V are gone)."""
-        self.slots, self.swap_out_blocks, self.swap_in_blocks = self._saved
-        self._saved = None
-        taken = self.tier.undo()
+        self.stop_logging()
+        self.slots = {seq_id: list(slots) for seq_id, slots in record.slots.items()}
+        self.swap_out_blocks, self.swap_in_blocks = record.swap_out_blocks, record.swap_in_blocks
+        taken = self.tier.undo(record.tier_log)
         return [seq_id for seq_id, slots in self.slots.items() if not taken.isdisjoint(slots)] if written else []
 
     @property
@@ -404,6 +416,16 @@ class TierHit:
     slot: int
 
 
+@dataclass(frozen=True)
+class PrefixTierState:
+    """The prefix tier as an engine step found it (PrefixTier.checkpoint): its counts, and the logs of its changes
+    while the step runs."""
+    stored_blocks: int
+    hit_tokens: int
+    entry_log: list[tuple[bytes, tuple | None]]  # (hash, its entry before: None if there was none) per change
+    tier_log: list                               # the tier's takes and give-backs (KVTier.log)
+
+
 class PrefixTier:
     """The prefix cache's second tier: hash -> (key, slot), least recently used first."""
 
@@ -413,8 +435,7 @@ class PrefixTier:
         self.entries: OrderedDict[bytes, tuple[tuple, int]] = OrderedDict()
         self.stored_blocks = 0  # cumulative: blocks copied into the tier
         self.hit_tokens = 0     # cumulative: prompt tokens loaded from the tier instead of computed
-        self._saved = None      # in a transaction: the counts as they were
-        self._log = None        # in a transaction: (hash, its entry before: None if there was none) per change
+        self._log = None        # in a transaction: the record's entry_log, see PrefixTierState
 
     def find(self, token_ids: list[int], extra_key, skip: int) -> list[TierHit]:
         """The run of a new prompt's full blocks after its first `skip` (the pool's hits) that the tier holds."""
@@ -469,19 +490,23 @@ class PrefixTier:
         if self._log is not None:
             self._log.append((block_hash, entry))
 
-    def begin(self) -> None:
-        self._saved, self._log, self.tier.log = (self.stored_blocks, self.hit_tokens), [], []
+    def checkpoint(self) -> "PrefixTierState":
+        """Open a transaction: the counts as they are now, and logs of the entries' and the tier's changes."""
+        record = PrefixTierState(self.stored_blocks, self.hit_tokens, entry_log=[], tier_log=[])
+        self._log, self.tier.log = record.entry_log, record.tier_log
+        return record
 
-    def commit(self) -> None:
-        self._saved = self._log = self.tier.log = None
+    def stop_logging(self) -> None:
+        self._log = self.tier.log = None
 
-    def rollback(self, written: bool) -> None:
-        """Back to begin: entries stored meanwhile go, evicted ones come back at the least recently used end (an
-        entry only used meanwhile keeps its new place); but if written (K/V were written since), an evicted entry
-        whose slot was taken again is gone."""
-        self.stored_blocks, self.hit_tokens = self._saved
-        log, self._saved, self._log = self._log, None, None
-        taken = self.tier.undo()
+    def restore(self, record: "PrefixTierState", written: bool) -> None:
+        """Back to checkpoint: entries stored meanwhile go, evicted ones come back at the least recently used end
+        (an entry only used meanwhile keeps its new place); but if written (K/V were written since), an evicted
+        entry whose slot was taken again is gone."""
+        self.stop_logging()
+        self.stored_blocks, self.hit_tokens = record.stored_blocks, record.hit_tokens
+        log = record.entry_log
+        taken = self.tier.undo(record.tier_log)
         for block_hash, entry in reversed(log):
             if entry is None:
                 del self.entries[block_hash]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged.core.block_manager import AllocStatus, BlockManager
+from paged.core.block_manager import AllocStatus, BlockManager, BlockManagerState
 from paged.engine.kv_cache import KVCache
 from paged.engine.model_inputs import prepare_inputs
 from paged.engine.rejection_sampler import greedy_accept, rejection_sample, seeded_accept
@@ -131,6 +131,23 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     return []
 
 
+@dataclass(frozen=True)
+class DrafterState:
+    """The draft pool as an engine step found it (DraftModelProposer.checkpoint)."""
+    block_manager: BlockManagerState
+    num_computed: dict[int, int]
+
+
+@dataclass(frozen=True)
+class SpeculatorState:
+    """The speculator's counts and draft pool as an engine step found them (Speculator.checkpoint)."""
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]
+    drafter: DrafterState | None
+
+
 class DraftModelProposer:
     """k greedy or sampled steps of a draft model over its own paged KV pool, batched over sequences."""
 
@@ -140,7 +157,6 @@ class DraftModelProposer:
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
                                 dtype=model.dtype, device=model.device)
         self.num_computed: dict[int, int] = {}  # seq_id -> leading tokens whose K/V the draft pool holds
-        self._saved = None                      # in a transaction: num_computed as it was
 
     def propose(self, seqs, lengths: list[int], default_generator) -> None:
         """Sets seq.spec_token_ids (and spec_draft_probs for unseeded sampled rows) for each seq, up to lengths[i]
@@ -193,18 +209,17 @@ class DraftModelProposer:
             self.block_manager.free(seq_id)
             self.num_computed.pop(seq_id, None)
 
-    def begin(self) -> None:
-        self.block_manager.begin()
-        self._saved = dict(self.num_computed)
+    def checkpoint(self) -> "DrafterState":
+        return DrafterState(self.block_manager.checkpoint(), dict(self.num_computed))
 
-    def commit(self) -> None:
-        self.block_manager.commit()
-        self._saved = None
+    def stop_logging(self) -> None:
+        self.block_manager.stop_logging()
 
-    def rollback(self) -> None:
-        """Back to begin; a sequence whose draft blocks went to another meanwhile computes its draft K/V again."""
-        lost = self.block_manager.rollback(written=True)
-        self.num_computed, self._saved = self._saved, None
+    def restore(self, record: "DrafterState") -> None:
+        """Back to checkpoint; a sequence whose draft blocks went to another meanwhile computes its draft K/V
+        again."""
+        lost = self.block_manager.restore(record.block_manager, written=True)
+        self.num_computed = dict(record.num_computed)
         for seq_id in lost:
             self.block_manager.free(seq_id)
             self.num_computed.pop(seq_id, None)
@@ -238,7 +253,6 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * self.k
-        self._saved = None  # in a transaction: the counts as they were
 
     def propose(self, running, max_model_len: int, default_generator) -> None:
         seqs, lengths = [], []
@@ -286,24 +300,22 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.release(live_seq_ids)
 
-    def begin(self) -> None:
+    def checkpoint(self) -> "SpeculatorState":
         """Open the engine step's transaction: the counts and the draft pool can be put back as they are now."""
-        self._saved = (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                       list(self.num_accepted_tokens_per_pos))
-        if self.drafter is not None:
-            self.drafter.begin()
+        return SpeculatorState(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               tuple(self.num_accepted_tokens_per_pos),
+                               None if self.drafter is None else self.drafter.checkpoint())
 
-    def commit(self) -> None:
-        self._saved = None
+    def stop_logging(self) -> None:
         if self.drafter is not None:
-            self.drafter.commit()
+            self.drafter.stop_logging()
 
-    def rollback(self) -> None:
-        self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.num_accepted_tokens_per_pos = \
-            self._saved
-        self._saved = None
+    def restore(self, record: "SpeculatorState") -> None:
+        self.num_drafts, self.num_draft_tokens = record.num_drafts, record.num_draft_tokens
+        self.num_accepted_tokens = record.num_accepted_tokens
+        self.num_accepted_tokens_per_pos = list(record.num_accepted_tokens_per_pos)
         if self.drafter is not None:
-            self.drafter.rollback()
+            self.drafter.restore(record.drafter)
 
     def stats(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

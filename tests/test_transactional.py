@@ -33,7 +33,7 @@ class Injected(Exception):
 
 class RaiseAtCall:
     """A sys.settrace hook that counts calls of functions defined in paged/ and raises `error` at the at-th one
-    (None: it only counts). Counting stops at the step's commit point (LLMEngine._commit): an exception after it
+    (None: it only counts). Counting stops at the step's commit point (StepJournal.commit): an exception after it
     is one after the step returned. Python unsets a trace function that raises, so the rollback runs untraced."""
 
     def __init__(self, at: int | None = None, error=Injected):
@@ -42,7 +42,7 @@ class RaiseAtCall:
     def __call__(self, frame, event, arg):
         if event != "call" or self.committed or not frame.f_code.co_filename.startswith(PAGED_DIR):
             return None
-        if frame.f_code.co_name == "_commit":
+        if frame.f_code.co_qualname == "StepJournal.commit":
             self.committed = True
             return None
         self.calls += 1
@@ -191,7 +191,7 @@ def interrupted_step(engine, at: int, error=Injected) -> list:
     try:
         return tracer.run(engine.step)
     except error:
-        assert_as_before(before, engine_state(engine), written=engine._kv_written)
+        assert_as_before(before, engine_state(engine), written=engine.journal.kv_written)
         assert_consistent(engine)
         return []
 

@@ -18,9 +18,9 @@ whose count drops to zero keeps its contents and its hash and waits in the free 
 starts with the same blocks takes them back instead of computing them again. The free queue is the LRU order of
 eviction: a block taken from its head for fresh use loses its hash then, and only then.
 
-An engine step is a transaction (guide §11): `begin` keeps what `rollback` needs to put the manager back as it was,
-cheaply (the tables are copied; the free queue and the prefix cache's names keep a log of their changes, undone in
-reverse), and `commit` drops it.
+An engine step is a transaction (guide §11, engine/journal.py): `checkpoint` returns what `restore` needs to put the
+manager back as it was, cheaply (the tables are copied; the free queue and the prefix cache's names log their
+changes into the record, undone in reverse), and `stop_logging` closes the logs when the step commits.
 """
 
 import enum
@@ -105,9 +105,8 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def undo(self) -> None:
-        """Undo the logged changes, newest first: each block goes back exactly where it was, and the log closes."""
-        log, self.log = self.log, None
+    def undo(self, log: list[tuple[Block, Block | None]]) -> None:
+        """Undo the changes in log (closed: self.log is None), newest first: each block goes back where it was."""
         for block, prev in reversed(log):
             if prev is None:       # it was appended: unlink it
                 self.remove(block)
@@ -127,6 +126,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class BlockManagerState:
+    """The manager as an engine step found it (BlockManager.checkpoint): copies of its tables, and the logs its
+    changes go to while the step runs, undone newest first on restore."""
+    block_tables: dict[int, list[int]]
+    block_hashes: dict[int, list[bytes]]
+    pending_copies: list[tuple[int, int]]
+    free_log: list[tuple[Block, Block | None]]       # the free queue's changes: (block, its prev; None if appended)
+    renamed: list[tuple[Block, bytes | None, tuple | None]]  # (block, its hash, its key) before each change of name
+    fresh: list[Block]                               # blocks taken for fresh use, whose old contents may go
+
+
 class BlockManager:
     """Hands out blocks to sequences and keeps their block tables. Sequences are named by integer ids."""
 
@@ -144,9 +155,7 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}            # block hash -> block holding those tokens
         self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full, registered blocks
         self.pending_copies: list[tuple[int, int]] = [] # copy-on-write (src, dst) block copies not yet done
-        self._saved = None        # in a transaction: the tables, hashes and pending copies as they were
-        self._renamed = None      # in a transaction: (block, its hash, its key) before each change of its name
-        self._fresh = None        # in a transaction: the blocks taken for fresh use, whose old contents may go
+        self._log: BlockManagerState | None = None  # in a transaction: the record whose logs its changes go to
 
     @property
     def num_free_blocks(self) -> int:
@@ -206,8 +215,8 @@ class BlockManager:
 
     def _take_free_block(self) -> Block:
         block = self.free_queue.popleft()
-        if self._fresh is not None:
-            self._fresh.append(block)
+        if self._log is not None:
+            self._log.fresh.append(block)
         if block.block_hash is not None:  # evict: the least recently used cached block is reused
             self._rename(block, None, None)
         block.ref_count = 1
@@ -215,8 +224,8 @@ class BlockManager:
 
     def _rename(self, block: Block, block_hash: bytes | None, key: tuple | None) -> None:
         """Name block in the prefix cache by block_hash (None: take its name out), logged in a transaction."""
-        if self._renamed is not None:
-            self._renamed.append((block, block.block_hash, block.hash_key))
+        if self._log is not None:
+            self._log.renamed.append((block, block.block_hash, block.hash_key))
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash, block.hash_key = block_hash, key
@@ -330,30 +339,31 @@ class BlockManager:
 
     # ---- transactions ---------------------------------------------------------------------------------------------
 
-    def begin(self) -> None:
-        """Open a transaction: from now on rollback can put every table, ref count, free block and cached name back
-        as it is now. Costs a copy of the tables (the blocks in use), not of the pool."""
-        self._saved = ({seq_id: list(table) for seq_id, table in self.block_tables.items()},
-                       {seq_id: list(hashes) for seq_id, hashes in self.block_hashes.items()},
-                       list(self.pending_copies))
-        self.free_queue.log, self._renamed, self._fresh = [], [], []
+    def checkpoint(self) -> "BlockManagerState":
+        """Open a transaction: from now on restore(record) can put every table, ref count, free block and cached
+        name back as it is now. Costs a copy of the tables (the blocks in use), not of the pool."""
+        record = BlockManagerState({seq_id: list(table) for seq_id, table in self.block_tables.items()},
+                                   {seq_id: list(hashes) for seq_id, hashes in self.block_hashes.items()},
+                                   list(self.pending_copies), free_log=[], renamed=[], fresh=[])
+        self.free_queue.log, self._log = record.free_log, record
+        return record
 
-    def commit(self) -> None:
+    def stop_logging(self) -> None:
         """Close the transaction: what it did stays."""
-        self._saved = self.free_queue.log = self._renamed = self._fresh = None
+        self._log = self.free_queue.log = None
 
-    def rollback(self, written: bool) -> list[int]:
-        """Put the manager back as it was at begin and close the transaction. The free queue comes back in its
-        order. written: K/V tensors were written since begin, into the blocks taken for fresh use; those blocks
-        then keep no cached name, and the ids of sequences whose restored tables hold one of them (a sequence
-        preempted in the meantime, its blocks given to another) are returned: their K/V are gone."""
-        tables, hashes, pending = self._saved
-        renamed, fresh = self._renamed, {block.block_id for block in self._fresh}
-        self.free_queue.undo()
-        self.commit()
-        for block, block_hash, key in reversed(renamed):   # newest first, each name back as it was
+    def restore(self, record: "BlockManagerState", written: bool) -> list[int]:
+        """Put the manager back as it was at checkpoint and close the transaction. The free queue comes back in its
+        order. written: K/V tensors were written since checkpoint, into the blocks taken for fresh use; those
+        blocks then keep no cached name, and the ids of sequences whose restored tables hold one of them (a
+        sequence preempted in the meantime, its blocks given to another) are returned: their K/V are gone."""
+        self.stop_logging()
+        self.free_queue.undo(record.free_log)
+        for block, block_hash, key in reversed(record.renamed):   # newest first, each name back as it was
             self._rename(block, block_hash, key)
-        self.block_tables, self.block_hashes, self.pending_copies = tables, hashes, pending
+        tables = {seq_id: list(table) for seq_id, table in record.block_tables.items()}
+        self.block_tables, self.pending_copies = tables, list(record.pending_copies)
+        self.block_hashes = {seq_id: list(hashes) for seq_id, hashes in record.block_hashes.items()}
         for block in self.blocks:       # a block's count is the number of tables that hold it
             block.ref_count = 0
         for table in tables.values():
@@ -361,6 +371,7 @@ class BlockManager:
                 self.blocks[block_id].ref_count += 1
         if not written:
             return []
+        fresh = {block.block_id for block in record.fresh}
         for block_id in fresh:
             if self.blocks[block_id].block_hash is not None:
                 self._rename(self.blocks[block_id], None, None)

@@ -61,6 +61,19 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass(frozen=True)
+class SchedulerState:
+    """The scheduler's queues and counts as an engine step found them (Scheduler.checkpoint)."""
+    running: list[Sequence]
+    waiting: deque[Sequence]
+    swapped: deque[Sequence]
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    num_preemptions: int
+    next_seq_id: int
+    sending: dict[str, list[int]]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_space=None, prefix_tier=None,
                  device: torch.device | str = "cpu", kv_connector: KVConnector | None = None):
@@ -276,12 +289,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def checkpoint(self) -> tuple:
-        """The queues and counts, for a step that may be undone (LLMEngine.transaction); the sequences in the
+    def checkpoint(self) -> "SchedulerState":
+        """The queues and counts, for a step that may be undone (engine/journal.py); the sequences in the
         queues are kept by their requests."""
-        return (list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
-                self.prefix_query_tokens, self.num_preemptions, self.next_seq_id,
-                {request_id: list(seq_ids) for request_id, seq_ids in self.sending.items()})
+        return SchedulerState(list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
+                              self.prefix_query_tokens, self.num_preemptions, self.next_seq_id,
+                              {request_id: list(seq_ids) for request_id, seq_ids in self.sending.items()})
 
     def may_change(self):
         """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
@@ -289,11 +302,13 @@ class Scheduler:
         return itertools.chain(self.running, self.swapped,
                                itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
 
-    def restore(self, state: tuple, lost: set[int]) -> None:
+    def restore(self, record: "SchedulerState", lost: set[int]) -> None:
         """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
         the undone step overwrote, go to the head of the queue to be recomputed, as after a preemption."""
-        self.running, self.waiting, self.swapped, self.prefix_hit_tokens, self.prefix_query_tokens, \
-            self.num_preemptions, self.next_seq_id, self.sending = state
+        self.running, self.waiting, self.swapped = list(record.running), record.waiting.copy(), record.swapped.copy()
+        self.prefix_hit_tokens, self.prefix_query_tokens = record.prefix_hit_tokens, record.prefix_query_tokens
+        self.num_preemptions, self.next_seq_id = record.num_preemptions, record.next_seq_id
+        self.sending = {request_id: list(seq_ids) for request_id, seq_ids in record.sending.items()}
         for seq in [seq for seq in self.swapped if seq.seq_id in lost][::-1]:
             self.swapped.remove(seq)
             self.swap_space.discard(seq.seq_id)

@@ -21,6 +21,41 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class SequenceState:
+    """A sequence as an engine step found it (Sequence.checkpoint): the lists a step only appends to, by length."""
+    num_tokens: int
+    num_logprobs: int
+    num_computed_tokens: int
+    status: SequenceStatus
+    finish_reason: str | None
+    stop_reason: str | None
+    num_preemptions: int
+    spec_token_ids: list[int]
+    spec_draft_probs: torch.Tensor | None
+    generator_state: torch.Tensor | None   # a seeded sequence's generator, else None
+
+
+@dataclass(frozen=True)
+class MetricsState:
+    """A request's metrics as an engine step found them (RequestMetrics.checkpoint)."""
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_token_times: int
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """A request as an engine step found it (Request.checkpoint): its sequences then, each one's state."""
+    num_seqs: int
+    seqs: tuple[SequenceState, ...]
+    num_prompt_logprobs: int
+    metrics: MetricsState
+
+
 class Sequence:
     def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
         self.seq_id = seq_id
@@ -64,21 +99,23 @@ class Sequence:
         """Running sequences this one will count for: itself and the completions still to fork from it."""
         return 1 + self.params.n - len(self.request.seqs)
 
-    def checkpoint(self) -> tuple:
-        """What an undone engine step puts back (LLMEngine.transaction). A step only appends to token_ids and
+    def checkpoint(self) -> "SequenceState":
+        """What an undone engine step puts back (engine/journal.py). A step only appends to token_ids and
         logprobs, so their counts are enough; a seeded generator's state is kept too: it has drawn one noise per
         output token, so after the undone step it draws the same positions' noise again."""
-        return (len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status, self.finish_reason,
-                self.stop_reason, self.num_preemptions, list(self.spec_token_ids), self.spec_draft_probs,
-                None if self.generator is None else self.generator.get_state())
+        return SequenceState(len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status,
+                             self.finish_reason, self.stop_reason, self.num_preemptions, list(self.spec_token_ids),
+                             self.spec_draft_probs, None if self.generator is None else self.generator.get_state())
 
-    def restore(self, state: tuple) -> None:
-        num_tokens, num_logprobs, self.num_computed_tokens, self.status, self.finish_reason, self.stop_reason, \
-            self.num_preemptions, self.spec_token_ids, self.spec_draft_probs, generator_state = state
-        del self.token_ids[num_tokens:]
-        del self.logprobs[num_logprobs:]
-        if generator_state is not None:
-            self.generator.set_state(generator_state)
+    def restore(self, record: "SequenceState") -> None:
+        del self.token_ids[record.num_tokens:]
+        del self.logprobs[record.num_logprobs:]
+        self.num_computed_tokens, self.status = record.num_computed_tokens, record.status
+        self.finish_reason, self.stop_reason = record.finish_reason, record.stop_reason
+        self.num_preemptions = record.num_preemptions
+        self.spec_token_ids, self.spec_draft_probs = list(record.spec_token_ids), record.spec_draft_probs
+        if record.generator_state is not None:
+            self.generator.set_state(record.generator_state)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
@@ -97,14 +134,15 @@ class RequestMetrics:
     num_accepted_tokens: int = 0    # of those, the ones the target accepted
     token_times: list[float] = field(default_factory=list)  # when each output token was appended
 
-    def checkpoint(self) -> tuple:
-        return (self.first_scheduled_time, self.first_token_time, self.finished_time, self.num_draft_tokens,
-                self.num_accepted_tokens, len(self.token_times))
+    def checkpoint(self) -> "MetricsState":
+        return MetricsState(self.first_scheduled_time, self.first_token_time, self.finished_time,
+                            self.num_draft_tokens, self.num_accepted_tokens, len(self.token_times))
 
-    def restore(self, state: tuple) -> None:
-        self.first_scheduled_time, self.first_token_time, self.finished_time, self.num_draft_tokens, \
-            self.num_accepted_tokens, num_token_times = state
-        del self.token_times[num_token_times:]
+    def restore(self, record: "MetricsState") -> None:
+        self.first_scheduled_time, self.first_token_time = record.first_scheduled_time, record.first_token_time
+        self.finished_time = record.finished_time
+        self.num_draft_tokens, self.num_accepted_tokens = record.num_draft_tokens, record.num_accepted_tokens
+        del self.token_times[record.num_token_times:]
 
     @property
     def ttft(self) -> float | None:
@@ -135,19 +173,18 @@ class Request:
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
-    def checkpoint(self) -> tuple:
-        """Its sequences (those forked later are dropped on restore), prompt logprobs and metrics, for
-        LLMEngine.transaction."""
-        return (len(self.seqs), [seq.checkpoint() for seq in self.seqs], len(self.prompt_logprobs),
-                self.metrics.checkpoint())
+    def checkpoint(self) -> "RequestState":
+        """Its sequences (those forked later are dropped on restore), prompt logprobs and metrics, for the engine
+        step's journal (engine/journal.py)."""
+        return RequestState(len(self.seqs), tuple(seq.checkpoint() for seq in self.seqs), len(self.prompt_logprobs),
+                            self.metrics.checkpoint())
 
-    def restore(self, state: tuple) -> None:
-        num_seqs, seq_states, num_prompt_logprobs, metrics = state
-        del self.seqs[num_seqs:]
-        del self.prompt_logprobs[num_prompt_logprobs:]
-        for seq, seq_state in zip(self.seqs, seq_states):
-            seq.restore(seq_state)
-        self.metrics.restore(metrics)
+    def restore(self, record: "RequestState") -> None:
+        del self.seqs[record.num_seqs:]
+        del self.prompt_logprobs[record.num_prompt_logprobs:]
+        for seq, seq_record in zip(self.seqs, record.seqs):
+            seq.restore(seq_record)
+        self.metrics.restore(record.metrics)
 
     @property
     def lora_int_id(self) -> int:

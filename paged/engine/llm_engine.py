@@ -4,8 +4,9 @@
 
 `LLM.generate` does exactly that for a list of prompts, with a progress bar. Every request is validated before
 anything is queued, so a bad prompt raises a `ValueError` and leaves the engine as it was. A step happens whole or
-not at all (`LLMEngine.transaction`): if anything in it raises (KeyboardInterrupt, an error while scheduling, in a
-forward observer, the forward pass, sampling, or detokenizing), the engine is put back as it was before the step.
+not at all (`LLMEngine.transaction`, its undo journal in engine/journal.py): if anything in it raises
+(KeyboardInterrupt, an error while scheduling, in a forward observer, the forward pass, sampling, or detokenizing),
+the engine is put back as it was before the step.
 A KV connector (`kv_connector.py`, guide §15) is called at fixed points: the scheduler asks it what it can load when
 it admits a request and whether to keep a finished request's blocks; the step loads before the forward pass, and saves
 what was kept after the update, which frees it.
@@ -24,6 +25,7 @@ from paged.config import DEFAULT_KV_CACHE_MEMORY, SETTINGS, EngineConfig
 from paged.core.block_manager import BlockManager
 from paged.core.scheduler import Scheduler
 from paged.core.sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from paged.engine.journal import StepJournal
 from paged.engine.kv_cache import KVCache
 from paged.engine.model_inputs import step_inputs
 from paged.engine.multiproc_executor import MultiprocExecutor, Worker
@@ -75,7 +77,6 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self._kv_written = False  # within a step: K/V tensors have been written (transaction)
         self.num_steps = 0
         self.last_schedule = None
         self.last_forward_time = 0.0  # seconds the last step spent in the model's forward pass (host time)
@@ -83,6 +84,7 @@ class LLMEngine:
         self.speculator = None if config.speculative is None else \
             Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
         self.executor = executor
+        self.journal = StepJournal(self)  # the step's undo log (guide §11)
         if executor is not None:
             executor.local_worker = Worker(executor.group, model, self.kv_cache)
             executor.initialize_cache(num_blocks, config.block_size)
@@ -213,70 +215,15 @@ class LLMEngine:
     @contextlib.contextmanager
     def transaction(self):
         """Whatever runs inside happens whole or not at all: if it raises (KeyboardInterrupt included), the engine
-        is put back as it was when it began, and the exception goes on. Put back: the requests in flight, their
-        sequences and metrics, the scheduler's queues, the block manager (tables, ref counts, free blocks, the
-        prefix cache's names), the tiers' indexes, the draft pool, the LoRA slots, the KV connector's queues, the
-        sampling generators and every count. K/V tensors are not copied: a step writes past the computed tokens of
-        every sequence it began with, except in blocks and tier slots it took for fresh use. If it got as far as
-        writing, those lose their cached names, and a sequence it preempted whose blocks it gave to another is
-        recomputed.
+        is put back as it was when it began, and the exception goes on (engine/journal.py says what is put back).
         step() is one; each step of a beam search too."""
-        saved = self._begin()
+        self.journal.begin()
         try:
             yield
         except BaseException:
-            self._rollback(saved)
+            self.journal.rollback()
             raise
-        self._commit()
-
-    def _begin(self) -> tuple:
-        self.block_manager.begin()
-        for part in (self.swap_space, self.prefix_tier, self.speculator, self.kv_connector):
-            if part is not None:
-                part.begin()
-        self._kv_written = False
-        lora = None if self.lora is None else (self.lora.num_steps, list(self.lora.slots.slot_ids),
-                                               list(self.lora.slots.last_used), self.lora.slots.num_loads,
-                                               self.lora.slots.num_evictions)
-        touched = {seq.request.request_id: seq.request for seq in self.scheduler.may_change()}
-        return (dict(self.requests), [(request, request.checkpoint()) for request in touched.values()],
-                self.scheduler.checkpoint(), self.generator.get_state(), self.num_steps, self.last_schedule, lora)
-
-    def _commit(self) -> None:
-        self.block_manager.commit()
-        for part in (self.swap_space, self.prefix_tier, self.speculator, self.kv_connector):
-            if part is not None:
-                part.commit()
-
-    def _rollback(self, saved: tuple) -> None:
-        self.requests, request_states, scheduler_state, generator_state, self.num_steps, self.last_schedule, \
-            lora = saved
-        for request, state in request_states:
-            request.restore(state)
-        lost = set(self.block_manager.rollback(self._kv_written))  # sequences whose K/V the step overwrote
-        if self.swap_space is not None:
-            lost.update(self.swap_space.rollback(self._kv_written))
-        if self.prefix_tier is not None:
-            self.prefix_tier.rollback(self._kv_written)
-        if self.speculator is not None:
-            self.speculator.rollback()
-        self.kv_connector.rollback()
-        self.scheduler.restore(scheduler_state, lost)
-        self.generator.set_state(generator_state)
-        if lora is not None:
-            self._restore_lora_slots(*lora)
-
-    def _restore_lora_slots(self, num_steps, slot_ids, last_used, num_loads, num_evictions) -> None:
-        """The adapters each slot held before the undone step: one it replaced is loaded again from the host."""
-        slots = self.lora.slots
-        for slot, lora_id in enumerate(slot_ids):
-            if slots.slot_ids[slot] != lora_id:
-                if lora_id is None:
-                    slots.slot_ids[slot] = None     # empty again: whatever it holds is never read
-                else:
-                    slots.load(self.lora.registry[lora_id], slot)
-        self.lora.num_steps, slots.last_used, slots.num_loads, slots.num_evictions = \
-            num_steps, last_used, num_loads, num_evictions
+        self.journal.commit()
 
     def _sample(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[list[int]]:
         """The tokens each sequence appends: one sampled from its row, or 1..k + 1 from verifying its k drafts over
@@ -378,7 +325,7 @@ class LLMEngine:
         if self.lora is not None:  # the adapters of plan.batch made resident (guide §16)
             _, lora_batch = self.lora.prepare_step(plan.batch, self.scheduler.running)
         inputs = step_inputs(self.block_manager, plan.batch, self.device)
-        self._kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
+        self.journal.kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
         with contextlib.nullcontext() if self.executor is None else \
                 self.executor.execute_model(inputs, plan.blocks_to_copy):   # the other ranks run the same step
             self.apply_copies(plan)
