@@ -17,7 +17,7 @@ from paged.core.block_manager import cdiv
 from paged.lora import MAX_LORA_RANK, MAX_LORAS
 from paged.offload import OffloadConfig
 from paged.speculative import SpeculativeConfig
-from paged.validation import block_size_of, integer, real
+from paged.validation import ArgumentError, block_size_of, integer, real
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
 
@@ -85,23 +85,25 @@ class EngineConfig:
         """Every limit a request of token_ids and up to max_tokens new tokens must fit, with n completions; a
         ValueError naming the one it breaks. Needs for_model's limits. pool: the pool's name in the message."""
         if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
+            raise ArgumentError("prompt", "prompt is empty: it must hold at least one token")
         if not all(0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}) (the model's vocabulary size)")
+            raise ArgumentError("prompt", f"prompt token ids must lie in [0, {self.vocab_size}) (the model's "
+                                          f"vocabulary size)")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the model holds at most {self.max_model_len} "
-                             f"(max_model_len) including at least one new token")
+            raise ArgumentError("prompt", f"prompt has {len(token_ids)} tokens; the model holds at most "
+                                          f"{self.max_model_len} (max_model_len) including at least one new token")
         longest = min(len(token_ids) + max_tokens, self.max_model_len)
         if cdiv(longest, self.block_size) > self.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {longest} tokens "
-                             f"can never fit {pool} of {self.num_blocks * self.block_size} tokens ({self.num_blocks} "
-                             f"blocks of {self.block_size}); raise num_blocks or lower max_tokens")
+            raise ArgumentError("prompt", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {longest} "
+                                          f"tokens can never fit {pool} of {self.num_blocks * self.block_size} tokens "
+                                          f"({self.num_blocks} blocks of {self.block_size}); raise num_blocks or "
+                                          f"lower max_tokens")
         if not self.enable_chunked_prefill and len(token_ids) > self.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}); raise it or enable_chunked_prefill=True")
+            raise ArgumentError("prompt", f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                                          f"({self.max_num_batched_tokens}); raise it or enable_chunked_prefill=True")
         if n > self.max_num_seqs:
-            raise ValueError(f"n ({n}) is more than max_num_seqs ({self.max_num_seqs}): a request's completions "
-                             f"run together; raise max_num_seqs or lower n")
+            raise ArgumentError("n", f"n ({n}) is more than max_num_seqs ({self.max_num_seqs}): a request's "
+                                     f"completions run together; raise max_num_seqs or lower n")
 
 
 MODEL_LIMITS = ("max_model_len", "vocab_size", "eos_token_ids")

@@ -1,13 +1,13 @@
 """What a request asks of the sampler (guide §13), with vLLM's names and meanings: `SamplingParams`, and the
 `Logprob` entries a request with `logprobs` gets back.
 
-The settings are checked once, when a request is made: a bad value raises a `ValueError` that names the field and
-its limit. How the engine draws a token from them is `paged/engine/sampler.py`.
+The settings are checked once, when a request is made: a bad value raises an `ArgumentError` (a `ValueError`) that
+names the field and its limit. How the engine draws a token from them is `paged/engine/sampler.py`.
 """
 
 from dataclasses import dataclass
 
-from paged.validation import integer, real, token_id_list
+from paged.validation import ArgumentError, integer, real, token_id_list
 
 GREEDY_TEMPERATURE = 1e-5   # below it, sampling is greedy
 MAX_SEED = 2**63 - 1        # a generator's seed; completion i of a request draws from seed + i
@@ -37,40 +37,41 @@ class SamplingParams:
         self.max_tokens = integer("max_tokens", self.max_tokens, low=1)
         self.temperature = real("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ArgumentError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         self.top_p = real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ArgumentError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = integer("top_k", self.top_k, low=-1)
         self.min_p = real("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ArgumentError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise ArgumentError("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None:
             self.seed = integer("seed", self.seed, low=0, high=MAX_SEED)
         self.stop_token_ids = token_id_list(
             "stop_token_ids", [] if self.stop_token_ids is None else self.stop_token_ids)
         stop = [self.stop] if isinstance(self.stop, str) else ([] if self.stop is None else self.stop)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ArgumentError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(stop)
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be True or False, got "
-                             f"{self.include_stop_str_in_output!r}")
+            raise ArgumentError("include_stop_str_in_output", f"include_stop_str_in_output must be True or False, "
+                                                              f"got {self.include_stop_str_in_output!r}")
         if self.logprobs is not None:
             self.logprobs = integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
-            raise ValueError(f"skip_reading_prefix_cache must be True, False or None, got "
-                             f"{self.skip_reading_prefix_cache!r}")
+            raise ArgumentError("skip_reading_prefix_cache", f"skip_reading_prefix_cache must be True, False or None, "
+                                                             f"got {self.skip_reading_prefix_cache!r}")
         if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
-            raise ValueError("skip_reading_prefix_cache must not be False with prompt_logprobs: a prompt token "
-                             "found in the prefix cache is not computed, so it has no logits")
+            raise ArgumentError("skip_reading_prefix_cache", "skip_reading_prefix_cache must not be False with "
+                                "prompt_logprobs: a prompt token found in the prefix cache is not computed, so it "
+                                "has no logits")
         if self.greedy and self.n > 1:
-            raise ValueError(f"n must be 1 with greedy sampling (temperature < {GREEDY_TEMPERATURE}): its {self.n} "
-                             f"completions would all be the same; got n={self.n}")
+            raise ArgumentError("n", f"n must be 1 with greedy sampling (temperature < {GREEDY_TEMPERATURE}): its "
+                                     f"{self.n} completions would all be the same; got n={self.n}")
 
     @property
     def skips_prefix_cache(self) -> bool:

@@ -39,7 +39,7 @@ from paged.engine.llm_engine import LLMEngine
 from paged.engine.metrics import StepRecord, read_step
 from paged.engine.stop_strings import check_stop_strings, stop_hold_back
 from paged.sampling_params import Logprob, SamplingParams
-from paged.validation import prompt_token_ids
+from paged.validation import ArgumentError, prompt_token_ids
 
 IDLE_POLL_S = 0.5   # an idle loop wakes this often to notice a shutdown
 NUM_TRACED_STEPS = 4096   # the loop keeps the record of this many of its latest steps (AsyncLLM.steps)
@@ -298,9 +298,10 @@ class EngineLoop:
                 pool_room = stats["num_blocks"] * stats["block_size"] - len(token_ids)
                 params = dataclasses.replace(params, max_tokens=max(1, min(room, pool_room)))
             elif token_ids and params.max_tokens > room:
-                raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} tokens) is more "
-                                 f"than the model's context of {self.engine.max_model_len} tokens (max_model_len); "
-                                 f"lower max_tokens to at most {max(room, 0)}")
+                raise ArgumentError("max_tokens", f"max_tokens ({params.max_tokens}) + the prompt ({len(token_ids)} "
+                                                  f"tokens) is more than the model's context of "
+                                                  f"{self.engine.max_model_len} tokens (max_model_len); lower "
+                                                  f"max_tokens to at most {max(room, 0)}")
             request = self.engine.make_request(token_ids, params, add.request_id, add.lora_request)
             request.metrics.arrival_time = add.arrival_time
             self.engine.add_request(request)
@@ -437,7 +438,7 @@ class AsyncLLM:
         if self._closed.is_set() or not self.is_running:
             raise RuntimeError("the engine loop has stopped")
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ArgumentError("request_id", f"request_id {request_id!r} is already in use")
         stream = _Stream(request_id or uuid.uuid4().hex, params, tuple(stop), self.tokenizer,
                          asyncio.get_running_loop())
         self._streams[stream.request_id] = stream

@@ -39,7 +39,7 @@ from paged.model.loader import load_model, model_config
 from paged.model.tensor_parallel import check_tensor_parallel
 from paged.sampling_params import SamplingParams
 from paged.speculative import Speculator, resolve_draft
-from paged.validation import as_prompt_list, prompt_token_ids, real
+from paged.validation import ArgumentError, as_prompt_list, prompt_token_ids, real
 
 
 class LLMEngine:
@@ -107,9 +107,9 @@ class LLMEngine:
         if request_id is None:
             request_id = self._next_request_id()
         elif not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+            raise ArgumentError("request_id", f"request_id must be a string, got {type(request_id).__name__}")
         elif request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ArgumentError("request_id", f"request_id {request_id!r} is already in use")
         if lora_request is not None:  # last: an adapter is registered only for a request that passed every check
             if self.lora is None:
                 raise ValueError("lora_request needs an engine made with enable_lora=True")
@@ -128,8 +128,8 @@ class LLMEngine:
         """Queue a request made by make_request. One sequence prefills the prompt; with n > 1 it forks the
         other n - 1 when the prompt is done, and they all share the prompt's blocks (copy-on-write)."""
         if request.request_id in self.requests or request.seqs:
-            raise ValueError(f"request_id {request.request_id!r} is already in use (or the request was added "
-                             f"before); make a new request")
+            raise ArgumentError("request_id", f"request_id {request.request_id!r} is already in use (or the request "
+                                              f"was added before); make a new request")
         self.scheduler.add_request(request)
         self.requests[request.request_id] = request
         return request.request_id

@@ -2,9 +2,12 @@
 
     python -m paged serve --port 8000 [--api-key KEY] [--lora-modules pirate=adapters/pirate]
 
-FastAPI and uvicorn carry the HTTP; an engine loop (engine/async_llm.py) steps the engine while requests come and go, so
-every client shares every step: in an engine core process of its own under `python -m paged serve` (serving/engine_core.py),
-in a thread of this process for build_app(llm) in a notebook or a test. Routes, as vLLM's server names them:
+FastAPI and uvicorn carry the HTTP: the routes are functions on one APIRouter (`router`, as vLLM's api_router), which
+read what they serve from app.state (build_app puts it there), and the requests and responses they take and give are
+the pydantic models of serving/protocol.py. An engine loop (engine/async_llm.py) steps the engine while requests come
+and go, so every client shares every step: in an engine core process of its own under `python -m paged serve`
+(serving/engine_core.py), in a thread of this process for build_app(llm) in a notebook or a test. Routes, as vLLM's
+server names them:
   POST /v1/completions        prompt (text, or a list of token ids) -> text
   POST /v1/chat/completions   messages -> the tokenizer's chat template -> text
   GET  /v1/models             the base model and each LoRA adapter, served by name (guide §16)
@@ -29,7 +32,9 @@ so many prompt tokens that the streams waiting on it stall. `LLM`'s offline defa
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
 `data: [DONE]`. A client that disconnects aborts its request: its blocks go back to the pool at once.
 Every bad request gets HTTP 400 with OpenAI's error object {"error": {"message", "type", "param", "code"}},
-`param` naming the field; with --api-key, a request to /v1 without `Authorization: Bearer KEY` gets 401.
+`param` naming the field: the request model's check that failed, or the `.argument` of the ArgumentError
+(paged/validation.py) that SamplingParams or the engine raised; with --api-key, a request to /v1 without
+`Authorization: Bearer KEY` gets 401.
 """
 
 import asyncio
@@ -38,116 +43,54 @@ import contextlib
 import dataclasses
 import functools
 import hmac
-import json
 import re
 import socket
 import threading
 import time
 import uuid
-from typing import Literal
+from typing import Annotated
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel
 
 from paged.engine.async_llm import AsyncLLM, StreamOutput
 from paged.lora import LoRARequest, read_adapter_config
 from paged.sampling_params import Logprob, SamplingParams
 from paged.serving.engine_core import AsyncMPClient
+from paged.serving.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    StreamOptions,
+    TokenizeRequest,
+    UsageInfo,
+)
 from paged.serving.token_budget import MAX_TOKEN_BUDGET, size_token_budget
-from paged.validation import prompt_token_ids
-
-# ---- requests ---------------------------------------------------------------------------------------------
-
-Number = StrictInt | StrictFloat
-
-
-class StreamOptions(BaseModel):
-    include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries the usage so far
-
+from paged.validation import ArgumentError, prompt_token_ids
 
 # sampling fields this engine's sampler does not implement, with the value that leaves the logits as they are: a
 # request that sets one to anything else gets a 400 naming it, never an answer that ignored it
 NEUTRAL_SAMPLING = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_tokens": 0,
                     "logit_bias": {}}
-
-
-class _Common(BaseModel):
-    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's and vLLM's servers do."""
-    model_config = ConfigDict(extra="ignore")
-    model: StrictStr
-    request_id: StrictStr | None = None        # vLLM's: the response id ends with it (an X-Request-Id header wins)
-    include_stop_str_in_output: StrictBool = False   # vLLM's: keep a stop string's or stop token's text
-    frequency_penalty: Number | None = None
-    presence_penalty: Number | None = None
-    repetition_penalty: Number | None = None
-    min_tokens: StrictInt | None = None
-    logit_bias: dict[StrictStr, Number] | None = None
-    n: StrictInt = 1
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None
-    min_p: Number | None = None
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: StrictBool = False
-    user: StrictStr | None = None
-
-
-class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]   # one, or a batch of several
-    max_tokens: StrictInt | None = 16          # 0 with echo: the prompt alone is scored
-    logprobs: StrictInt | None = None          # the N most likely tokens at each position, besides the chosen one
-    echo: StrictBool = False                   # the prompt comes back before the completion, text and logprobs
-    prompt_logprobs: StrictInt | None = None   # vLLM's: each prompt token's logprob and its N most likely others
-    best_of: StrictInt | None = None           # completions to choose the n best from: only n itself here
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr | list[TextPart]   # a string, or OpenAI's content parts: text ones only (no images here)
-
-    def text(self) -> str:
-        """The message's text; content parts joined by newlines, as vLLM joins them."""
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False               # each token's log-probability
-    top_logprobs: StrictInt | None = None      # and its N most likely alternatives (needs logprobs)
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize for a text prompt."""
-    model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
-    prompt: StrictStr
-    add_special_tokens: StrictBool = True
-    return_token_strs: StrictBool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: StrictStr | None = None
-    tokens: list[StrictInt]
 
 
 def is_json(value) -> bool:
@@ -202,20 +145,15 @@ class ChunkedBodyLimit:
         await self.app(scope, replay, send)
 
 
+def error_body(message: str, param: str | None, status: int = 400,
+               kind: str = "invalid_request_error") -> ErrorResponse:
+    """OpenAI's error object."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+
+
 def error_response(message: str, param: str | None, status: int = 400,
                    kind: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error object."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
-
-
-REQUEST_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-
-
-def field_of(message: str) -> str | None:
-    """The request field a ValueError from the engine names: its messages begin with the argument's name."""
-    word = re.match(r"[a-z_]+", message)
-    return word.group(0) if word and word.group(0) in REQUEST_FIELDS else None
+    return JSONResponse(error_body(message, param, status, kind).model_dump(), status_code=status)
 
 
 # ---- log-probabilities in OpenAI's two shapes ------------------------------------------------------------------
@@ -418,6 +356,25 @@ def surrogate_field(value, path: str = "") -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the routes serve, kept in app.state.served: the model's name, its adapters by name, and the limits a
+    request is checked against before the engine sees it."""
+    name: str
+    adapters: dict[str, LoRARequest]
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """What every request is checked for before anything else reads it (app.state.guard)."""
+    allowed_hosts: tuple[str, ...] | None
+    api_key: str | None
+    max_body_bytes: int
+
+
 def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | None = None,
               api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -434,13 +391,14 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     adapters = lora_requests(lora_modules)
     metrics = ServerMetrics(model_name)
     if isinstance(llm, AsyncMPClient):   # the engine runs in its own process, its adapters registered there
-        tokenizer, max_model_len, vocab_size = llm.tokenizer, llm.max_model_len, llm.vocab_size
+        served = ServedModel(model_name, adapters, llm.tokenizer, llm.max_model_len, llm.vocab_size)
     else:
         if lora_modules and llm.engine.lora is None:
             raise ValueError("lora_modules needs an LLM made with enable_lora=True")
         for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
             llm.engine.lora.resolve(adapter)
-        tokenizer, max_model_len, vocab_size = llm.tokenizer, llm.engine.max_model_len, llm.engine.config.vocab_size
+        served = ServedModel(model_name, adapters, llm.tokenizer, llm.engine.max_model_len,
+                             llm.engine.config.vocab_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -453,357 +411,396 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
         app.state.async_llm.shutdown()
 
     app = FastAPI(title="paged", lifespan=lifespan)
-    app.state.metrics = metrics
+    app.state.served, app.state.metrics = served, metrics
+    app.state.guard = Guard(allowed_hosts, api_key, max_body_bytes)
     app.add_middleware(ChunkedBodyLimit, max_body_bytes=max_body_bytes)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """The Host header, the body's size and the API key, before anything else reads the request."""
-        host = host_name(request.headers.get("host", ""))
-        if allowed_hosts is not None and host not in allowed_hosts:
-            return error_response(f"the Host header {host!r} is not one this server answers to "
-                                  f"({', '.join(allowed_hosts)})", None, 400)
-        length = request.headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > max_body_bytes:
-            return error_response(f"the request body ({length} bytes) is larger than this server takes "
-                                  f"({max_body_bytes} bytes)", None, 413)
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            sent = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(sent, f"Bearer {api_key}".encode()):
-                return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                      None, 401, "authentication_error")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, error: RequestValidationError):
-        errors = error.errors()
-        if errors[0].get("type") == "json_invalid":
-            return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
-                                  None)
-
-        def loc(e):   # the path inside the body; pydantic also names each branch of a union it tried (a str)
-            return [part for part in e.get("loc", ()) if part != "body"]
-
-        # the first field at fault; of the branches tried for it, one that reached an element of a list
-        same_field = [e for e in errors if loc(e)[:1] == loc(errors[0])[:1]]
-        first = max(same_field, key=lambda e: any(isinstance(part, int) for part in loc(e)))
-        path = loc(first)
-        index = next((part for part in path[1:] if isinstance(part, int)), None)
-        param = (f"{path[0]}" + (f"[{index}]" if index is not None else "")) if path else None
-        return error_response(f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r:.80})", param)
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, error: BadRequest):
-        return error_response(error.message, error.param)
-
-    @app.exception_handler(EngineFailure)
-    async def engine_failure(request: Request, error: EngineFailure):
-        return error_response(f"the engine failed: {error}", None, 500, "internal_error")
-
-    @app.get("/health")
-    async def health():
-        problem = None if app.state.async_llm.is_running else "the engine loop has stopped"
-        try:
-            app.state.async_llm.check_health()
-        except RuntimeError as error:   # a tensor-parallel worker died
-            problem = str(error)
-        return JSONResponse({"error": problem} if problem else {}, status_code=503 if problem else 200)
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        created = int(time.time())
-        cards = [{"id": model_name, "object": "model", "created": created, "owned_by": "paged",
-                  "root": model_name, "parent": None, "max_model_len": max_model_len}]
-        cards += [{"id": name, "object": "model", "created": created, "owned_by": "paged",
-                   "root": adapter.lora_path, "parent": model_name} for name, adapter in adapters.items()]
-        return {"object": "list", "data": cards}
-
-    def need_tokenizer(route: str) -> None:
-        if tokenizer is None:
-            raise BadRequest(f"{route} needs a tokenizer, and this model is served without one", None)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        need_tokenizer("/tokenize")
-        check_text(body)
-        ids = await asyncio.to_thread(
-            lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        need_tokenizer("/detokenize")
-        if not all(0 <= t < vocab_size for t in body.tokens):
-            raise BadRequest(f"tokens must lie in [0, {vocab_size}) (the model's vocabulary size)", "tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        need_tokenizer("/tokenizer_info")
-        settings = {key: value for key, value in tokenizer.init_kwargs.items() if is_json(value)}
-        return {**settings, "tokenizer_class": type(tokenizer).__name__,
-                "chat_template": getattr(tokenizer, "chat_template", None)}
-
-    def check_text(body: BaseModel) -> None:
-        """A lone surrogate in any text of the body is refused, naming the field: no tokenizer takes it."""
-        field = surrogate_field(body.model_dump())
-        if field is not None:
-            raise BadRequest(f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
-                             field.split(".")[0].split("[")[0])
-
-    def sampling_params(body: _Common, max_tokens: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        if body.model != model_name and body.model not in adapters:
-            raise BadRequest(f"model {body.model!r} is not served here; the models are "
-                             f"{[model_name, *adapters]}", "model")
-        for name, neutral in NEUTRAL_SAMPLING.items():
-            if getattr(body, name) not in (None, neutral):
-                raise BadRequest(f"{name} is not supported by this engine's sampler; leave it out or send "
-                                 f"{neutral!r}", name)
-        if getattr(body, "best_of", None) not in (None, body.n):
-            raise BadRequest(f"best_of ({body.best_of}) must equal n ({body.n}): this server returns every "
-                             f"completion it samples", "best_of")
-        kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
-                  "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
-                  "include_stop_str_in_output": body.include_stop_str_in_output, "prompt_logprobs": prompt_logprobs}
-        if isinstance(body, ChatCompletionRequest):
-            if body.top_logprobs is not None and not body.logprobs:
-                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-            kwargs["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
-        for name in ("temperature", "top_p", "top_k", "min_p"):
-            if getattr(body, name) is not None:
-                kwargs[name] = getattr(body, name)
-        if max_tokens is not None:
-            kwargs["max_tokens"] = max_tokens
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as error:
-            field = field_of(str(error))
-            if field == "logprobs" and isinstance(body, ChatCompletionRequest):   # chat's count is top_logprobs
-                raise BadRequest(str(error).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
-            raise BadRequest(str(error), field) from None
-
-    async def token_ids_of(prompt, param: str) -> list[int]:
-        """A prompt's token ids; text is tokenized in a worker thread, so that a huge prompt does not stall the
-        engine loop or the event loop, and checked against the context before the engine sees it."""
-        try:
-            ids = await asyncio.to_thread(prompt_token_ids, prompt, tokenizer) if isinstance(prompt, str) else \
-                prompt_token_ids(prompt, tokenizer)
-        except ValueError as error:
-            raise BadRequest(str(error), param) from None
-        if len(ids) >= max_model_len:
-            raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {max_model_len} "
-                             f"(max_model_len) including at least one new token", param)
-        return ids
-
-    async def start(body: _Common, prompt: list[int], params: SamplingParams, fill_max_tokens: bool,
-                    request_id: str, param: str):
-        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        if any(not s for s in stop):
-            raise BadRequest("stop strings must not be empty", "stop")
-        try:
-            return await app.state.async_llm.add_request(
-                prompt, params, request_id, adapters.get(body.model), tuple(stop), fill_max_tokens=fill_max_tokens)
-        except ValueError as error:
-            message = str(error)
-            raise BadRequest(message, param if message.startswith("prompt") else field_of(message)) from None
-        except Exception as error:   # not the request's fault
-            raise EngineFailure(str(error)) from None
-
-    async def collect(request: Request, streams: list) -> list | None:
-        """Every output of each non-streamed request; if the client disconnects first, they are aborted."""
-        async def gather(stream):
-            return [output async for output in app.state.async_llm.stream_outputs(stream)]
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        work = asyncio.gather(*map(gather, streams))
-        watch = asyncio.create_task(disconnected())
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:
-            work.cancel()   # stream_outputs aborts each request as it closes
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-            return None
-        watch.cancel()
-        return work.result()
-
-    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-    def sse(chunk: dict) -> str:
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    def base_request_id(request: Request, body: _Common) -> str:
-        """vLLM's: the X-Request-Id header's, else the body's request_id, else a fresh one."""
-        return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
-
-    async def respond(request: Request, body: _Common, prompts: list, max_tokens: int | None, chat: bool):
-        """prompts: the request's prompts (a chat has one), as text or token ids."""
-        check_text(body)
-        base_id = base_request_id(request, body)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
-        echo = getattr(body, "echo", False)
-        if max_tokens == 0 and not echo:
-            raise BadRequest("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)", "max_tokens")
-        num_prompt_top = [n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None)
-                          if n is not None]
-        params = sampling_params(body, 1 if max_tokens == 0 else max_tokens,   # with 0, its token is dropped
-                                 max(num_prompt_top) if num_prompt_top else None)
-        keep_output = max_tokens != 0
-        param = "messages" if chat else "prompt"
-        token_ids = [await token_ids_of(p, param if len(prompts) == 1 else f"prompt[{i}]")
-                     for i, p in enumerate(prompts)]
-        streams = []
-        try:
-            for i, ids in enumerate(token_ids):
-                engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
-                streams.append(await start(body, ids, params, max_tokens is None, engine_id,
-                                           param if len(prompts) == 1 else f"prompt[{i}]"))
-        except BaseException:   # one prompt of a batch refused: the others are not served either
-            for stream in streams:
-                app.state.async_llm.abort(stream.request_id)
-            raise
-        created = int(time.time())
-        head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": body.model}
-        options = body.stream_options or StreamOptions()
-        text_offsets = collections.defaultdict(int)   # completions' text_offset, per choice, across chunks
-
-        def logprobs_of(index: int, entries, prompt_entries=None, first_text: str = "") -> dict | None:
-            if entries is None:
-                return None
-            if chat:
-                return chat_logprobs(entries, params.logprobs, tokenizer)
-            shaped, text_offsets[index] = completion_logprobs((prompt_entries or []) + entries, text_offsets[index],
-                                                              params.logprobs, first_text)
-            return shaped
-
-        def first_token_text(i: int) -> str:
-            return tokenizer.decode(token_ids[i][:1]) if tokenizer is not None else f"token_id:{token_ids[i][0]}"
-
-        def prompt_text(i: int) -> str:
-            return prompts[i] if isinstance(prompts[i], str) else \
-                tokenizer.decode(token_ids[i]) if tokenizer is not None else ""
-
-        def choice(i: int, delta, first: bool, prompt_logprobs) -> dict:
-            """A choice for prompt i's delta; the first of each completion carries the echo and prompt_logprobs
-            (the request's, from its first output)."""
-            text = delta.text if keep_output else ""
-            entries = (delta.logprobs or []) if keep_output else []
-            prompt_entries = prompt_logprobs if first and echo else None
-            out = {"index": i * params.n + delta.index,
-                   "logprobs": logprobs_of(i * params.n + delta.index,
-                                           entries if params.logprobs is not None else None,
-                                           prompt_entries, first_token_text(i)),
-                   "finish_reason": delta.finish_reason}
-            if chat:
-                out["delta"] = ({"role": "assistant", "content": text} if first else
-                                {"content": text} if text or delta.finish_reason is None else {})
-            else:
-                out["text"] = (prompt_text(i) if first and echo else "") + text
-                if first and getattr(body, "prompt_logprobs", None) is not None:
-                    out["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, body.prompt_logprobs)
-            if body.return_token_ids:
-                out["token_ids"] = delta.token_ids if keep_output else []
-                if first and not chat:
-                    out["prompt_token_ids"] = token_ids[i]
-            return out
-
-        headers = {"x-request-id": base_id}
-        if body.stream:
-            async def events():
-                num_prompt = num_cached = num_out = 0
-                try:
-                    for i, stream in enumerate(streams):
-                        started, done, prompt_logprobs = set(), False, None
-                        try:
-                            async for output in app.state.async_llm.stream_outputs(stream):
-                                prompt_logprobs = output.prompt_logprobs or prompt_logprobs
-                                if not started:
-                                    num_prompt += output.num_prompt_tokens
-                                    num_cached += output.num_cached_tokens
-                                num_out += sum(len(d.token_ids) for d in output.completions) if keep_output else 0
-                                choices = []
-                                for delta in output.completions:
-                                    choices.append(choice(i, delta, delta.index not in started, prompt_logprobs))
-                                    started.add(delta.index)
-                                done = output.finished
-                                so_far = usage(num_prompt, num_out, num_cached) if options.continuous_usage_stats \
-                                    else None
-                                yield sse({**head, "choices": choices, "usage": so_far})
-                        finally:   # closed early: the client went away, or the engine failed
-                            if not done:
-                                for stream in streams[i:]:
-                                    app.state.async_llm.abort(stream.request_id)
-                    if options.include_usage:
-                        yield sse({**head, "choices": [], "usage": usage(num_prompt, num_out, num_cached)})
-                except Exception as error:   # the engine failed mid-answer: say so in the stream
-                    yield sse({"error": {"message": f"the engine failed: {error}", "type": "internal_error",
-                                         "param": None, "code": 500}})
-                yield "data: [DONE]\n\n"
-            return ClosingStreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-        try:
-            results = await collect(request, streams)
-        except Exception as error:
-            return error_response(f"the engine failed: {error}", None, 500, "internal_error")
-        if results is None:   # the client left; nobody reads this
-            return JSONResponse({}, status_code=499)
-        choices, num_out = [], 0
-        for i, outputs in enumerate(results):
-            merged = {}   # completion index -> one delta holding all its deltas
-            for output in outputs:
-                for delta in output.completions:
-                    if delta.index not in merged:
-                        merged[delta.index] = dataclasses.replace(delta, token_ids=list(delta.token_ids),
-                                                                  logprobs=list(delta.logprobs or []))
-                    else:
-                        whole = merged[delta.index]
-                        whole.text += delta.text
-                        whole.token_ids += delta.token_ids
-                        whole.logprobs += delta.logprobs or []
-                        whole.finish_reason = delta.finish_reason or whole.finish_reason
-            num_out += sum(len(d.token_ids) for d in merged.values()) if keep_output else 0
-            for index in sorted(merged):
-                item = choice(i, merged[index], True, outputs[0].prompt_logprobs)
-                if chat:
-                    item["message"] = {"role": "assistant", "content": item.pop("delta")["content"]}
-                choices.append(item)
-        num_prompt = sum(outputs[-1].num_prompt_tokens for outputs in results)
-        num_cached = sum(outputs[0].num_cached_tokens for outputs in results)
-        return JSONResponse({"id": response_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": created, "model": body.model, "choices": choices,
-                             "usage": usage(num_prompt, num_out, num_cached)}, headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
-        prompts = body.prompt
-        batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
-        return await respond(request, body, prompts if batch else [prompts], body.max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest):
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise BadRequest("messages: this model has no chat template; use /v1/completions", "messages")
-        check_text(body)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as error:   # the template refused these messages (roles that must alternate, ...)
-            raise BadRequest(f"messages: the chat template refused them: {error}", "messages") from None
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await respond(request, body, [prompt], max_tokens, chat=True)
-
+    app.middleware("http")(guard)
+    app.add_exception_handler(RequestValidationError, invalid_body)
+    app.add_exception_handler(BadRequest, bad_request)
+    app.add_exception_handler(EngineFailure, engine_failure)
+    app.include_router(router)
     return app
+
+
+async def guard(request: Request, call_next):
+    """The Host header, the body's size and the API key, before anything else reads the request."""
+    settings: Guard = request.app.state.guard
+    host = host_name(request.headers.get("host", ""))
+    if settings.allowed_hosts is not None and host not in settings.allowed_hosts:
+        return error_response(f"the Host header {host!r} is not one this server answers to "
+                              f"({', '.join(settings.allowed_hosts)})", None, 400)
+    length = request.headers.get("content-length", "0")
+    if not length.isdigit() or int(length) > settings.max_body_bytes:
+        return error_response(f"the request body ({length} bytes) is larger than this server takes "
+                              f"({settings.max_body_bytes} bytes)", None, 413)
+    if settings.api_key is not None and request.url.path not in OPEN_PATHS:
+        sent = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(sent, f"Bearer {settings.api_key}".encode()):
+            return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                  None, 401, "authentication_error")
+    return await call_next(request)
+
+
+async def invalid_body(request: Request, error: RequestValidationError):
+    """A body the request models refuse: a 400 whose param is the first field at fault."""
+    errors = error.errors()
+    if errors[0].get("type") == "json_invalid":
+        return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
+                              None)
+
+    def loc(e):   # the path inside the body; pydantic also names each branch of a union it tried (a str)
+        return [part for part in e.get("loc", ()) if part != "body"]
+
+    # the first field at fault; of the branches tried for it, one that reached an element of a list
+    same_field = [e for e in errors if loc(e)[:1] == loc(errors[0])[:1]]
+    first = max(same_field, key=lambda e: any(isinstance(part, int) for part in loc(e)))
+    path = loc(first)
+    index = next((part for part in path[1:] if isinstance(part, int)), None)
+    param = (f"{path[0]}" + (f"[{index}]" if index is not None else "")) if path else None
+    return error_response(f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r:.80})", param)
+
+
+async def bad_request(request: Request, error: BadRequest):
+    return error_response(error.message, error.param)
+
+
+async def engine_failure(request: Request, error: EngineFailure):
+    return error_response(f"the engine failed: {error}", None, 500, "internal_error")
+
+
+def served_model(request: Request) -> ServedModel:
+    """The routes' dependency: what app.state serves."""
+    return request.app.state.served
+
+
+Served = Annotated[ServedModel, Depends(served_model)]
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    async_llm = request.app.state.async_llm
+    problem = None if async_llm.is_running else "the engine loop has stopped"
+    try:
+        async_llm.check_health()
+    except RuntimeError as error:   # a tensor-parallel worker died
+        problem = str(error)
+    return JSONResponse({"error": problem} if problem else {}, status_code=503 if problem else 200)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request):
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def show_available_models(served: Served):
+    created = int(time.time())
+    cards = [ModelCard(id=served.name, created=created, root=served.name, parent=None,
+                       max_model_len=served.max_model_len)]
+    cards += [ModelCard(id=name, created=created, root=adapter.lora_path, parent=served.name)
+              for name, adapter in served.adapters.items()]
+    return ModelList(data=cards).model_dump()
+
+
+def need_tokenizer(served: ServedModel, route: str) -> None:
+    if served.tokenizer is None:
+        raise BadRequest(f"{route} needs a tokenizer, and this model is served without one", None)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, served: Served):
+    need_tokenizer(served, "/tokenize")
+    check_text(body)
+    tokenizer = served.tokenizer
+    ids = await asyncio.to_thread(
+        lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, served: Served):
+    need_tokenizer(served, "/detokenize")
+    if not all(0 <= t < served.vocab_size for t in body.tokens):
+        raise BadRequest(f"tokens must lie in [0, {served.vocab_size}) (the model's vocabulary size)", "tokens")
+    return {"prompt": await asyncio.to_thread(served.tokenizer.decode, body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(served: Served):
+    need_tokenizer(served, "/tokenizer_info")
+    tokenizer = served.tokenizer
+    settings = {key: value for key, value in tokenizer.init_kwargs.items() if is_json(value)}
+    return {**settings, "tokenizer_class": type(tokenizer).__name__,
+            "chat_template": getattr(tokenizer, "chat_template", None)}
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request, body: CompletionRequest):
+    prompts = body.prompt
+    batch = isinstance(prompts, list) and bool(prompts) and not isinstance(prompts[0], int)
+    return await respond(request, body, prompts if batch else [prompts], body.max_tokens, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request, body: ChatCompletionRequest, served: Served):
+    tokenizer = served.tokenizer
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise BadRequest("messages: this model has no chat template; use /v1/completions", "messages")
+    check_text(body)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:   # the template refused these messages (roles that must alternate, ...)
+        raise BadRequest(f"messages: the chat template refused them: {error}", "messages") from None
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await respond(request, body, [prompt], max_tokens, chat=True)
+
+
+# ---- what the two generating routes share -------------------------------------------------------------------
+
+
+def check_text(body: BaseModel) -> None:
+    """A lone surrogate in any text of the body is refused, naming the field: no tokenizer takes it."""
+    field = surrogate_field(body.model_dump())
+    if field is not None:
+        raise BadRequest(f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+                         field.split(".")[0].split("[")[0])
+
+
+def sampling_params(served: ServedModel, body: SamplingRequest, max_tokens: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    if body.model != served.name and body.model not in served.adapters:
+        raise BadRequest(f"model {body.model!r} is not served here; the models are "
+                         f"{[served.name, *served.adapters]}", "model")
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        if getattr(body, name) not in (None, neutral):
+            raise BadRequest(f"{name} is not supported by this engine's sampler; leave it out or send "
+                             f"{neutral!r}", name)
+    if getattr(body, "best_of", None) not in (None, body.n):
+        raise BadRequest(f"best_of ({body.best_of}) must equal n ({body.n}): this server returns every "
+                         f"completion it samples", "best_of")
+    kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
+              "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
+              "include_stop_str_in_output": body.include_stop_str_in_output, "prompt_logprobs": prompt_logprobs}
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        kwargs["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    try:
+        return SamplingParams(**kwargs)
+    except ArgumentError as error:
+        if error.argument == "logprobs" and isinstance(body, ChatCompletionRequest):   # chat's count: top_logprobs
+            raise BadRequest(str(error).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
+        raise BadRequest(str(error), error.argument) from None
+
+
+async def token_ids_of(served: ServedModel, prompt, param: str) -> list[int]:
+    """A prompt's token ids; text is tokenized in a worker thread, so that a huge prompt does not stall the
+    engine loop or the event loop, and checked against the context before the engine sees it."""
+    try:
+        ids = await asyncio.to_thread(prompt_token_ids, prompt, served.tokenizer) if isinstance(prompt, str) else \
+            prompt_token_ids(prompt, served.tokenizer)
+    except ValueError as error:
+        raise BadRequest(str(error), param) from None
+    if len(ids) >= served.max_model_len:
+        raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {served.max_model_len} "
+                         f"(max_model_len) including at least one new token", param)
+    return ids
+
+
+async def start(request: Request, body: SamplingRequest, prompt: list[int], params: SamplingParams,
+                fill_max_tokens: bool, request_id: str, param: str):
+    """Hand one prompt to the engine; param: the field that holds it, which an error about the prompt names."""
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if any(not s for s in stop):
+        raise BadRequest("stop strings must not be empty", "stop")
+    try:
+        return await request.app.state.async_llm.add_request(
+            prompt, params, request_id, request.app.state.served.adapters.get(body.model), tuple(stop),
+            fill_max_tokens=fill_max_tokens)
+    except ArgumentError as error:
+        raise BadRequest(str(error), param if error.argument == "prompt" else error.argument) from None
+    except ValueError as error:   # the request's, about no field of it (its adapter's folder, say)
+        raise BadRequest(str(error), None) from None
+    except Exception as error:   # not the request's fault
+        raise EngineFailure(str(error)) from None
+
+
+async def collect(request: Request, streams: list) -> list | None:
+    """Every output of each non-streamed request; if the client disconnects first, they are aborted."""
+    async_llm = request.app.state.async_llm
+
+    async def gather(stream):
+        return [output async for output in async_llm.stream_outputs(stream)]
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.gather(*map(gather, streams))
+    watch = asyncio.create_task(disconnected())
+    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:
+        work.cancel()   # stream_outputs aborts each request as it closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return None
+    watch.cancel()
+    return work.result()
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def base_request_id(request: Request, body: SamplingRequest) -> str:
+    """vLLM's: the X-Request-Id header's, else the body's request_id, else a fresh one."""
+    return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+
+
+async def respond(request: Request, body: SamplingRequest, prompts: list, max_tokens: int | None, chat: bool):
+    """/v1/completions' and /v1/chat/completions' answer, streamed or whole. prompts: the request's prompts (a chat
+    has one), as text or token ids."""
+    served: ServedModel = request.app.state.served
+    async_llm, tokenizer = request.app.state.async_llm, served.tokenizer
+    check_text(body)
+    base_id = base_request_id(request, body)
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
+    echo = getattr(body, "echo", False)
+    if max_tokens == 0 and not echo:
+        raise BadRequest("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)", "max_tokens")
+    num_prompt_top = [n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None)
+                      if n is not None]
+    params = sampling_params(served, body, 1 if max_tokens == 0 else max_tokens,   # with 0, its token is dropped
+                             max(num_prompt_top) if num_prompt_top else None)
+    keep_output = max_tokens != 0
+    param = "messages" if chat else "prompt"
+    token_ids = [await token_ids_of(served, p, param if len(prompts) == 1 else f"prompt[{i}]")
+                 for i, p in enumerate(prompts)]
+    streams = []
+    try:
+        for i, ids in enumerate(token_ids):
+            engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
+            streams.append(await start(request, body, ids, params, max_tokens is None, engine_id,
+                                       param if len(prompts) == 1 else f"prompt[{i}]"))
+    except BaseException:   # one prompt of a batch refused: the others are not served either
+        for stream in streams:
+            async_llm.abort(stream.request_id)
+        raise
+    created = int(time.time())
+    options = body.stream_options or StreamOptions()
+    text_offsets = collections.defaultdict(int)   # completions' text_offset, per choice, across chunks
+
+    def logprobs_of(index: int, entries, prompt_entries=None, first_text: str = "") -> dict | None:
+        if entries is None:
+            return None
+        if chat:
+            return chat_logprobs(entries, params.logprobs, tokenizer)
+        shaped, text_offsets[index] = completion_logprobs((prompt_entries or []) + entries, text_offsets[index],
+                                                          params.logprobs, first_text)
+        return shaped
+
+    def first_token_text(i: int) -> str:
+        return tokenizer.decode(token_ids[i][:1]) if tokenizer is not None else f"token_id:{token_ids[i][0]}"
+
+    def prompt_text(i: int) -> str:
+        return prompts[i] if isinstance(prompts[i], str) else \
+            tokenizer.decode(token_ids[i]) if tokenizer is not None else ""
+
+    def choice(i: int, delta, first: bool, prompt_logprobs, whole: bool = False):
+        """A choice for prompt i's delta (whole: the completion's every delta in one); the first of each
+        completion carries the echo and prompt_logprobs (the request's, from its first output)."""
+        text = delta.text if keep_output else ""
+        entries = (delta.logprobs or []) if keep_output else []
+        index = i * params.n + delta.index
+        fields = {"index": index, "finish_reason": delta.finish_reason,
+                  "logprobs": logprobs_of(index, entries if params.logprobs is not None else None,
+                                          prompt_logprobs if first and echo else None, first_token_text(i))}
+        if body.return_token_ids:
+            fields["token_ids"] = delta.token_ids if keep_output else []
+            if first and not chat:
+                fields["prompt_token_ids"] = token_ids[i]
+        if chat and whole:
+            return ChatCompletionResponseChoice(message=ChatMessage(content=text), **fields)
+        if chat:
+            return ChatCompletionResponseStreamChoice(
+                delta=DeltaMessage(role="assistant", content=text) if first else
+                DeltaMessage(content=text) if text or delta.finish_reason is None else DeltaMessage(), **fields)
+        if first and getattr(body, "prompt_logprobs", None) is not None:
+            fields["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, body.prompt_logprobs)
+        return CompletionResponseChoice(text=(prompt_text(i) if first and echo else "") + text, **fields)
+
+    chunk_type = ChatCompletionStreamResponse if chat else CompletionStreamResponse
+    headers = {"x-request-id": base_id}
+    if body.stream:
+        async def events():
+            num_prompt = num_cached = num_out = 0
+            try:
+                for i, stream in enumerate(streams):
+                    started, done, prompt_logprobs = set(), False, None
+                    try:
+                        async for output in async_llm.stream_outputs(stream):
+                            prompt_logprobs = output.prompt_logprobs or prompt_logprobs
+                            if not started:
+                                num_prompt += output.num_prompt_tokens
+                                num_cached += output.num_cached_tokens
+                            num_out += sum(len(d.token_ids) for d in output.completions) if keep_output else 0
+                            choices = []
+                            for delta in output.completions:
+                                choices.append(choice(i, delta, delta.index not in started, prompt_logprobs))
+                                started.add(delta.index)
+                            done = output.finished
+                            so_far = UsageInfo.of(num_prompt, num_out, num_cached) \
+                                if options.continuous_usage_stats else None
+                            yield sse(chunk_type(id=response_id, created=created, model=body.model,
+                                                 choices=choices, usage=so_far))
+                    finally:   # closed early: the client went away, or the engine failed
+                        if not done:
+                            for stream in streams[i:]:
+                                async_llm.abort(stream.request_id)
+                if options.include_usage:
+                    yield sse(chunk_type(id=response_id, created=created, model=body.model, choices=[],
+                                         usage=UsageInfo.of(num_prompt, num_out, num_cached)))
+            except Exception as error:   # the engine failed mid-answer: say so in the stream
+                yield sse(error_body(f"the engine failed: {error}", None, 500, "internal_error"))
+            yield "data: [DONE]\n\n"
+        return ClosingStreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    try:
+        results = await collect(request, streams)
+    except Exception as error:
+        return error_response(f"the engine failed: {error}", None, 500, "internal_error")
+    if results is None:   # the client left; nobody reads this
+        return JSONResponse({}, status_code=499)
+    choices, num_out = [], 0
+    for i, outputs in enumerate(results):
+        merged = {}   # completion index -> one delta holding all its deltas
+        for output in outputs:
+            for delta in output.completions:
+                if delta.index not in merged:
+                    merged[delta.index] = dataclasses.replace(delta, token_ids=list(delta.token_ids),
+                                                              logprobs=list(delta.logprobs or []))
+                else:
+                    whole = merged[delta.index]
+                    whole.text += delta.text
+                    whole.token_ids += delta.token_ids
+                    whole.logprobs += delta.logprobs or []
+                    whole.finish_reason = delta.finish_reason or whole.finish_reason
+        num_out += sum(len(d.token_ids) for d in merged.values()) if keep_output else 0
+        choices += [choice(i, merged[index], True, outputs[0].prompt_logprobs, whole=True) for index in sorted(merged)]
+    num_prompt = sum(outputs[-1].num_prompt_tokens for outputs in results)
+    num_cached = sum(outputs[0].num_cached_tokens for outputs in results)
+    response = (ChatCompletionResponse if chat else CompletionResponse)(
+        id=response_id, created=created, model=body.model, choices=choices,
+        usage=UsageInfo.of(num_prompt, num_out, num_cached))
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 # ---- running it -------------------------------------------------------------------------------------------
