@@ -29,8 +29,7 @@ from paged.analysis.offload_cost import (
     measure_swap_and_recompute,
     measure_ttft,
 )
-from paged.core.block_manager import cdiv
-from paged.geometry import KVGeometry, format_bytes
+from paged.geometry import KVGeometry, cdiv, format_bytes
 from paged.model.loader import load_hf_model
 from paged.offload import KVTier
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged.core.block_manager import cdiv
 from paged.core.sequence import Sequence
+from paged.geometry import cdiv
 from paged.sampling_params import SamplingParams
 from paged.validation import integer, real
 

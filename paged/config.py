@@ -8,24 +8,155 @@ before any engine part is built. `LLM` builds one from its keyword arguments (vL
 setting), `LLMEngine`, its `Scheduler` and the disaggregation workers share it; it is a plain dataclass, so it pickles
 into a worker process. `for_model` completes it with what the model decides (its length, vocabulary, end-of-sequence
 tokens and the pool's block count), and `check_prompt` then holds every check a request must pass to be served.
+The settings of the chapters' mechanisms live here too (`OffloadConfig`, `SpeculativeConfig`, the LoRA limits), as
+they do in vLLM's `vllm/config/` package: the modules that carry them out import their settings, not the other way.
 """
 
 import dataclasses
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from paged.core.block_manager import cdiv
-from paged.lora import MAX_LORA_RANK, MAX_LORAS
-from paged.offload import OffloadConfig
-from paged.speculative import SpeculativeConfig
-from paged.validation import ArgumentError, block_size_of, integer, real
+from paged.geometry import GiB, cdiv
+from paged.validation import ArgumentError, available_memory, block_size_of, integer, real
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes of K/V pool when num_blocks is not given
+PREEMPTION_MODES = ("recompute", "swap")
+MAX_LORAS = 64          # adapter slots on the device at most
+MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers
+MAX_SPECULATIVE_TOKENS = 16
+METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
 
 
 def flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+# ---- the settings of the chapters' mechanisms (guide §14, §15) -------------------------------------------
+
+
+def gib(name: str, value) -> float:
+    """A size in GiB: a finite number >= 0, else a ValueError naming it."""
+    value = real(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (GiB), got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The engine's offload settings, checked before anything is built."""
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0                 # GiB of swap tier, used when preemption_mode == "swap"
+    kv_offloading_size: float | None = None  # GiB of prefix-cache tier; None: no tier
+    kv_offload_dir: str | None = None       # None: tiers in host memory; a folder: memory-mapped files there
+
+    @classmethod
+    def from_args(cls, preemption_mode="recompute", swap_space=1.0, kv_offloading_size=None, kv_offload_dir=None,
+                  enable_prefix_caching=False) -> "OffloadConfig":
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        swap_space = gib("swap_space", swap_space)
+        if kv_offloading_size is not None:
+            kv_offloading_size = gib("kv_offloading_size", kv_offloading_size)
+            if not enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the tier keeps the prefix "
+                                 "cache's blocks")
+        if kv_offload_dir is not None:
+            if not isinstance(kv_offload_dir, (str, os.PathLike)):
+                raise ValueError(f"kv_offload_dir must be a folder path or None, got "
+                                 f"{type(kv_offload_dir).__name__}")
+            kv_offload_dir = os.fspath(kv_offload_dir)
+            if not kv_offload_dir.strip():
+                raise ValueError("kv_offload_dir must name a folder, got an empty path (None keeps the tiers in "
+                                 "host memory)")
+        config = cls(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir)
+        config.check_room()
+        return config
+
+    def _tier_sizes(self) -> dict[str, float]:
+        """GiB of each tier these settings build: "swap_space" and "kv_offloading_size"."""
+        sizes = {"swap_space": self.swap_space} if self.preemption_mode == "swap" else {}
+        if self.kv_offloading_size is not None:
+            sizes["kv_offloading_size"] = self.kv_offloading_size
+        return sizes
+
+    def check_room(self) -> None:
+        """The tiers must fit where they go: the host's available memory, or the free space of kv_offload_dir's
+        disk; else a ValueError naming the tier, before anything is allocated."""
+        sizes = self._tier_sizes()
+        if not sizes:
+            return
+        if self.kv_offload_dir is None:
+            room, where = available_memory(), "available host memory"
+        else:
+            folder = Path(self.kv_offload_dir).absolute()
+            while not folder.exists() and folder != folder.parent:  # the folder is made when the tier is
+                folder = folder.parent
+            try:
+                room, where = shutil.disk_usage(folder).free, f"free disk space under {folder}"
+            except OSError:  # unreadable: making the file will say what is wrong
+                room = None
+        if room is not None and sum(sizes.values()) * GiB > room:
+            asked = " + ".join(f"{name} {gib:g} GiB" for name, gib in sizes.items())
+            raise ValueError(f"{asked} is more than the {where} ({room / GiB:.2f} GiB); lower "
+                             f"{' or '.join(sizes)}")
+
+    def check_blocks(self, block_bytes: int) -> None:
+        """A prefix tier must hold at least one block of block_bytes (an empty one would keep nothing)."""
+        if self.kv_offloading_size is not None and int(self.kv_offloading_size * GiB) < block_bytes:
+            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size:g} GiB) must hold at least one KV block "
+                             f"of {block_bytes} bytes ({block_bytes / GiB:.3g} GiB); raise it, or leave it None "
+                             f"for no tier")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    model: object = None          # draft_model: as LLM's model ("smollm2", a folder, a cached name, a model object)
+    draft_layers: int | None = None
+
+    @classmethod
+    def from_dict(cls, config) -> "SpeculativeConfig":
+        """Check the keys by name (vLLM's, and draft_layers of our own); the draft model itself is checked by
+        resolve_draft."""
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {type(config).__name__}")
+        method = config.get("method")
+        if method not in METHOD_KEYS:
+            raise ValueError(f"speculative_config['method'] must be one of {sorted(METHOD_KEYS)}, got {method!r}")
+        for key in config:
+            if key not in {"method", "num_speculative_tokens"} | METHOD_KEYS[method]:
+                raise ValueError(f"speculative_config has an unknown key {key!r} for method {method!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config['num_speculative_tokens'] is required")
+        k = integer("speculative_config['num_speculative_tokens']", config["num_speculative_tokens"],
+                    low=1, high=MAX_SPECULATIVE_TOKENS)
+        out = cls(method, k)
+        if method == "ngram":
+            out.prompt_lookup_max = integer("speculative_config['prompt_lookup_max']",
+                                            config.get("prompt_lookup_max", 3), low=1)
+            out.prompt_lookup_min = integer("speculative_config['prompt_lookup_min']",
+                                            config.get("prompt_lookup_min", 1), low=1)
+            if out.prompt_lookup_min > out.prompt_lookup_max:
+                raise ValueError(f"speculative_config['prompt_lookup_min'] ({out.prompt_lookup_min}) must be <= "
+                                 f"prompt_lookup_max ({out.prompt_lookup_max})")
+        else:
+            if "model" not in config:
+                raise ValueError("speculative_config['model'] is required for method 'draft_model'")
+            out.model = config["model"]
+            if config.get("draft_layers") is not None:
+                out.draft_layers = integer("speculative_config['draft_layers']", config["draft_layers"], low=1)
+        return out
+
+
+# ---- the engine's -----------------------------------------------------------------------------------------
 
 
 @dataclass

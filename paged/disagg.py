@@ -50,10 +50,9 @@ import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 
 from paged.config import SETTINGS, EngineConfig
-from paged.core.block_manager import cdiv
 from paged.core.sequence import Request, RequestMetrics, RequestOutput
 from paged.engine.sampler import decode_logprobs
-from paged.geometry import KVGeometry
+from paged.geometry import KVGeometry, cdiv
 from paged.kv_connector import KVConsumer, KVProducer
 from paged.model.llama import ATTENTION_BACKENDS, check_model
 from paged.sampling_params import SamplingParams

@@ -172,6 +172,11 @@ def measure_hf_cache(cache) -> list[dict]:
             for i, layer in enumerate(cache.layers)]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers: blocks of b for a tokens."""
+    return -(-a // b)
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks needed for num_tokens tokens: ceil(num_tokens / block_size)."""
     _non_negative_int("num_tokens", num_tokens)

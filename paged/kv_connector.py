@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged.core.block_manager import cdiv
+from paged.geometry import cdiv
 
 
 @dataclass

@@ -40,9 +40,6 @@ import torch
 from paged.kernels import triton_missing
 from paged.validation import available_memory, integer
 
-MAX_LORAS = 64          # adapter slots on the device at most
-MAX_LORA_RANK = 512     # the largest max_lora_rank vLLM offers
-
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

@@ -28,7 +28,6 @@ Both bookkeepers take part in the engine step's transaction (engine/journal.py: 
 
 import math
 import os
-import shutil
 import tempfile
 import weakref
 from collections import OrderedDict, deque
@@ -42,106 +41,29 @@ if os.name == "nt":
 else:
     import fcntl
 
-from paged.core.block_manager import Block, BlockManager, cdiv
+from paged.config import OffloadConfig
+from paged.core.block_manager import Block, BlockManager
 from paged.engine.kv_cache import KVCache
-from paged.validation import available_memory, real
-
-PREEMPTION_MODES = ("recompute", "swap")
-GiB = 1 << 30
+from paged.geometry import GiB, cdiv
 
 
-def gib(name: str, value) -> float:
-    """A size in GiB: a finite number >= 0, else a ValueError naming it."""
-    value = real(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 (GiB), got {value}")
-    return value
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """The engine's offload settings, checked before anything is built."""
-    preemption_mode: str = "recompute"
-    swap_space: float = 1.0                 # GiB of swap tier, used when preemption_mode == "swap"
-    kv_offloading_size: float | None = None  # GiB of prefix-cache tier; None: no tier
-    kv_offload_dir: str | None = None       # None: tiers in host memory; a folder: memory-mapped files there
-
-    @classmethod
-    def from_args(cls, preemption_mode="recompute", swap_space=1.0, kv_offloading_size=None, kv_offload_dir=None,
-                  enable_prefix_caching=False) -> "OffloadConfig":
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        swap_space = gib("swap_space", swap_space)
-        if kv_offloading_size is not None:
-            kv_offloading_size = gib("kv_offloading_size", kv_offloading_size)
-            if not enable_prefix_caching:
-                raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the tier keeps the prefix "
-                                 "cache's blocks")
-        if kv_offload_dir is not None:
-            if not isinstance(kv_offload_dir, (str, os.PathLike)):
-                raise ValueError(f"kv_offload_dir must be a folder path or None, got "
-                                 f"{type(kv_offload_dir).__name__}")
-            kv_offload_dir = os.fspath(kv_offload_dir)
-            if not kv_offload_dir.strip():
-                raise ValueError("kv_offload_dir must name a folder, got an empty path (None keeps the tiers in "
-                                 "host memory)")
-        config = cls(preemption_mode, swap_space, kv_offloading_size, kv_offload_dir)
-        config.check_room()
-        return config
-
-    def _tier_sizes(self) -> dict[str, float]:
-        """GiB of each tier these settings build: "swap_space" and "kv_offloading_size"."""
-        sizes = {"swap_space": self.swap_space} if self.preemption_mode == "swap" else {}
-        if self.kv_offloading_size is not None:
-            sizes["kv_offloading_size"] = self.kv_offloading_size
-        return sizes
-
-    def check_room(self) -> None:
-        """The tiers must fit where they go: the host's available memory, or the free space of kv_offload_dir's
-        disk; else a ValueError naming the tier, before anything is allocated."""
-        sizes = self._tier_sizes()
-        if not sizes:
-            return
-        if self.kv_offload_dir is None:
-            room, where = available_memory(), "available host memory"
-        else:
-            folder = Path(self.kv_offload_dir).absolute()
-            while not folder.exists() and folder != folder.parent:  # the folder is made when the tier is
-                folder = folder.parent
-            try:
-                room, where = shutil.disk_usage(folder).free, f"free disk space under {folder}"
-            except OSError:  # unreadable: making the file will say what is wrong
-                room = None
-        if room is not None and sum(sizes.values()) * GiB > room:
-            asked = " + ".join(f"{name} {gib:g} GiB" for name, gib in sizes.items())
-            raise ValueError(f"{asked} is more than the {where} ({room / GiB:.2f} GiB); lower "
-                             f"{' or '.join(sizes)}")
-
-    def check_blocks(self, block_bytes: int) -> None:
-        """A prefix tier must hold at least one block of block_bytes (an empty one would keep nothing)."""
-        if self.kv_offloading_size is not None and int(self.kv_offloading_size * GiB) < block_bytes:
-            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size:g} GiB) must hold at least one KV block "
-                             f"of {block_bytes} bytes ({block_bytes / GiB:.3g} GiB); raise it, or leave it None "
-                             f"for no tier")
-
-    def build(self, block_manager: BlockManager, kv_cache: KVCache) -> tuple["SwapSpace | None", "PrefixTier | None"]:
-        """The tiers these settings ask for, sized in blocks of this pool, each in a file of its own with
-        kv_offload_dir."""
-        block_bytes = kv_cache.nbytes // kv_cache.num_blocks
-        self.check_blocks(block_bytes)
-        if self.kv_offload_dir is not None:
-            delete_stale_files(Path(self.kv_offload_dir))
-        swap = prefix = None
-        if self.preemption_mode == "swap":
-            tier = KVTier(kv_cache, int(self.swap_space * GiB) // block_bytes, self._folder(), kind="swap")
-            swap = SwapSpace(block_manager, tier)
-        if self.kv_offloading_size is not None:
-            tier = KVTier(kv_cache, int(self.kv_offloading_size * GiB) // block_bytes, self._folder(), kind="prefix")
-            prefix = PrefixTier(block_manager, tier)
-        return swap, prefix
-
-    def _folder(self) -> Path | None:
-        return None if self.kv_offload_dir is None else Path(self.kv_offload_dir)
+def build_tiers(config: OffloadConfig, block_manager: BlockManager,
+                kv_cache: KVCache) -> tuple["SwapSpace | None", "PrefixTier | None"]:
+    """The tiers the settings ask for, sized in blocks of this pool, each in a file of its own with
+    kv_offload_dir."""
+    block_bytes = kv_cache.nbytes // kv_cache.num_blocks
+    config.check_blocks(block_bytes)
+    folder = None if config.kv_offload_dir is None else Path(config.kv_offload_dir)
+    if folder is not None:
+        delete_stale_files(folder)
+    swap = prefix = None
+    if config.preemption_mode == "swap":
+        swap = SwapSpace(block_manager, KVTier(kv_cache, int(config.swap_space * GiB) // block_bytes, folder,
+                                               kind="swap"))
+    if config.kv_offloading_size is not None:
+        prefix = PrefixTier(block_manager, KVTier(kv_cache, int(config.kv_offloading_size * GiB) // block_bytes,
+                                                  folder, kind="prefix"))
+    return swap, prefix
 
 
 class KVTier:

@@ -38,59 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paged.config import SpeculativeConfig
 from paged.core.block_manager import AllocStatus, BlockManager, BlockManagerState
 from paged.engine.kv_cache import KVCache
 from paged.engine.model_inputs import prepare_inputs
 from paged.engine.rejection_sampler import greedy_accept, rejection_sample, seeded_accept
 from paged.engine.sampler import exponential_noise, filter_logits, filter_params, greedy_tokens, seeded_token
 from paged.model.llama import PagedLlama
-from paged.validation import integer
-
-MAX_SPECULATIVE_TOKENS = 16
-METHOD_KEYS = {"ngram": {"prompt_lookup_max", "prompt_lookup_min"}, "draft_model": {"model", "draft_layers"}}
-
-
-@dataclass
-class SpeculativeConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
-    model: object = None          # draft_model: as LLM's model ("smollm2", a folder, a cached name, a model object)
-    draft_layers: int | None = None
-
-    @classmethod
-    def from_dict(cls, config) -> "SpeculativeConfig":
-        """Check the keys by name (vLLM's, and draft_layers of our own); the draft model itself is checked by
-        resolve_draft."""
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict or None, got {type(config).__name__}")
-        method = config.get("method")
-        if method not in METHOD_KEYS:
-            raise ValueError(f"speculative_config['method'] must be one of {sorted(METHOD_KEYS)}, got {method!r}")
-        for key in config:
-            if key not in {"method", "num_speculative_tokens"} | METHOD_KEYS[method]:
-                raise ValueError(f"speculative_config has an unknown key {key!r} for method {method!r}")
-        if "num_speculative_tokens" not in config:
-            raise ValueError("speculative_config['num_speculative_tokens'] is required")
-        k = integer("speculative_config['num_speculative_tokens']", config["num_speculative_tokens"],
-                    low=1, high=MAX_SPECULATIVE_TOKENS)
-        out = cls(method, k)
-        if method == "ngram":
-            out.prompt_lookup_max = integer("speculative_config['prompt_lookup_max']",
-                                            config.get("prompt_lookup_max", 3), low=1)
-            out.prompt_lookup_min = integer("speculative_config['prompt_lookup_min']",
-                                            config.get("prompt_lookup_min", 1), low=1)
-            if out.prompt_lookup_min > out.prompt_lookup_max:
-                raise ValueError(f"speculative_config['prompt_lookup_min'] ({out.prompt_lookup_min}) must be <= "
-                                 f"prompt_lookup_max ({out.prompt_lookup_max})")
-        else:
-            if "model" not in config:
-                raise ValueError("speculative_config['model'] is required for method 'draft_model'")
-            out.model = config["model"]
-            if config.get("draft_layers") is not None:
-                out.draft_layers = integer("speculative_config['draft_layers']", config["draft_layers"], low=1)
-        return out
 
 
 def resolve_draft(config: SpeculativeConfig, target: PagedLlama, backend: str) -> PagedLlama:

@@ -17,9 +17,8 @@ import torch
 from helpers import hf_greedy, make_tiny_llm, random_prompts, tiny_llama
 
 from paged import SamplingParams
-from paged.core.block_manager import cdiv
 from paged.disagg import DisaggregatedLLM, WorkerError
-from paged.geometry import KVGeometry
+from paged.geometry import KVGeometry, cdiv
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 48  # 384 token slots per worker: a batch of long requests makes the decode worker wait for room

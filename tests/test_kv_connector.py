@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 
 from paged import LoRARequest, SamplingParams
 from paged.config import EngineConfig
-from paged.core.block_manager import BlockManager, cdiv
+from paged.core.block_manager import BlockManager
 from paged.core.scheduler import Scheduler
 from paged.core.sequence import Request, RequestMetrics
 from paged.engine.kv_cache import KVCache
+from paged.geometry import cdiv
 from paged.kv_connector import KVConsumer, KVProducer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

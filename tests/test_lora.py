@@ -18,7 +18,8 @@ from peft import get_peft_model
 
 from paged import LoRARequest, SamplingParams
 from paged import lora as lora_module
-from paged.lora import MAX_LORA_RANK, MAX_LORAS, TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
+from paged.config import MAX_LORA_RANK, MAX_LORAS
+from paged.lora import TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
 from paged.model.llama import PagedLlama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,7 @@ from helpers import (
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from paged import SamplingParams
-from paged.core.block_manager import cdiv
+from paged.geometry import cdiv
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

@@ -6,7 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.core.block_manager import AllocStatus, BlockManager, cdiv
+from paged.core.block_manager import AllocStatus, BlockManager
+from paged.geometry import cdiv
 
 
 class SpeculativeBlocksMachine(RuleBasedStateMachine):

@@ -5,7 +5,7 @@ from helpers import make_tiny_llm, random_prompts
 
 from paged import SamplingParams
 from paged.analysis.speculative_cost import expected_tokens
-from paged.core.block_manager import cdiv
+from paged.geometry import cdiv
 from paged.viz import (
     plot_speedup_curves,
     plot_speedup_vs_batch,

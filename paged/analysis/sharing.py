@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from paged.analysis.traces import TraceRequest
-from paged.core.block_manager import BlockManager, cdiv
+from paged.core.block_manager import BlockManager
+from paged.geometry import cdiv
 
 WIDTHS = (2, 4, 6)  # the paper's n and beam widths
 

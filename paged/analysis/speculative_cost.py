@@ -12,8 +12,8 @@ The mechanism itself (proposers, verify, rollback) is paged/speculative.py.
 
 import time
 
-from paged.core.block_manager import cdiv
 from paged.engine.model_inputs import prepare_inputs
+from paged.geometry import cdiv
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:

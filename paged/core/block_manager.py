@@ -28,6 +28,7 @@ import hashlib
 import pickle
 from dataclasses import dataclass, field
 
+from paged.geometry import cdiv
 from paged.validation import block_size_of, integer
 
 
@@ -120,10 +121,6 @@ class FreeBlockQueue:
         while block is not self._tail:
             yield block
             block = block.next_free
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

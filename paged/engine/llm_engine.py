@@ -37,6 +37,7 @@ from paged.lora import LoRAManager, LoRARequest
 from paged.model.llama import PagedLlama, default_attention_backend
 from paged.model.loader import load_model, model_config
 from paged.model.tensor_parallel import check_tensor_parallel
+from paged.offload import build_tiers
 from paged.sampling_params import SamplingParams
 from paged.speculative import Speculator, resolve_draft
 from paged.validation import ArgumentError, as_prompt_list, prompt_token_ids, real
@@ -69,7 +70,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, config.block_size,
                                 dtype=model.dtype, device=self.device)
-        self.swap_space, self.prefix_tier = config.offload.build(self.block_manager, self.kv_cache)  # guide §15
+        self.swap_space, self.prefix_tier = build_tiers(config.offload, self.block_manager, self.kv_cache)  # guide §15
         self.lora = LoRAManager(model, config) if config.enable_lora else None
         self.kv_connector = kv_connector or KVConnector()
         self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device,

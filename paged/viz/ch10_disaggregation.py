@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
-from paged.core.block_manager import BlockManager, cdiv
+from paged.core.block_manager import BlockManager
+from paged.geometry import cdiv
 from paged.viz.common import PALETTE, player
 
 OTHER_COLOUR = "#bbbbbb"   # blocks other sequences hold
