@@ -87,7 +87,8 @@ def _search_group(engine, requests, beam_width, length_penalty):
     for request in requests:
         ranked = sorted(done[request.request_id],
                         key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[:beam_width]
-        sequences = [BeamSearchSequence(tokens, score, engine._decode(tokens), ended) for tokens, score, ended in ranked]
+        sequences = [BeamSearchSequence(tokens, score, engine.output_processor.decode(tokens), ended)
+                     for tokens, score, ended in ranked]
         results.append(BeamSearchOutput(request.prompt_token_ids, sequences, usage[request.request_id]))
     return results
 
@@ -113,7 +114,8 @@ def _step(engine, requests, live, done, usage, beam_width) -> None:
         raise RuntimeError("beam search could not schedule its beams (a bug: groups are sized to fit the pool)")
     for request in requests:
         _record_usage(engine, live[request.request_id], usage[request.request_id])
-    logits, sampled, _ = engine.execute(plan)
+    engine.begin_forward(plan)
+    logits, sampled, _ = engine.model_runner.forward(plan, scheduler.running)
     logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
     row_of = {seq.seq_id: row for seq, row in sampled}
     chosen, dropped = [], []

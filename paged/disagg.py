@@ -106,7 +106,7 @@ def kv_digest(kv: torch.Tensor) -> str:
 # ---- the workers (each in its own process) -------------------------------------------------------------------------
 
 def _build_llm(model_spec, device, config: EngineConfig, model_args: dict, kv_connector):
-    from paged.engine.llm_engine import LLM
+    from paged.engine.llm import LLM
     if model_spec == "smollm2":
         model = "smollm2"
     else:
@@ -290,7 +290,8 @@ def check_engine_args(config, block_size: int, device: torch.device, engine_args
     """Make, in the caller, every check the workers' engines would make on engine_args that needs no engine, so that
     a bad argument is a ValueError naming it before any worker is spawned. config: the model's (a LlamaConfig).
     Returns the engines' EngineConfig and the arguments that build the model (dtype, attention_backend)."""
-    from paged.engine.llm_engine import LLM, pool_blocks
+    from paged.engine.llm import LLM
+    from paged.engine.llm_engine import pool_blocks
     parameters = inspect.signature(LLM).parameters
     taken = {"model", "tokenizer", "block_size", "device", "config", "kv_connector"}  # DisaggregatedLLM's own
     for name in engine_args:

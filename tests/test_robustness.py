@@ -91,9 +91,9 @@ def test_the_engine_recomputes_what_an_interrupted_step_scheduled(tiny_model, pr
 
 
 def test_an_error_in_the_sampler_is_rolled_back(tiny_model, prompts, expected, monkeypatch):
-    import paged.engine.llm_engine
+    import paged.engine.model_runner
     llm = make_tiny_llm(tiny_model, num_blocks=64)
-    engine, sample, calls = llm.engine, paged.engine.llm_engine.sample, []
+    engine, sample, calls = llm.engine, paged.engine.model_runner.sample, []
 
     def failing_sample(*args):
         calls.append(1)
@@ -101,7 +101,7 @@ def test_an_error_in_the_sampler_is_rolled_back(tiny_model, prompts, expected, m
             raise RuntimeError("sampler failed")
         return sample(*args)
 
-    monkeypatch.setattr(paged.engine.llm_engine, "sample", failing_sample)
+    monkeypatch.setattr(paged.engine.model_runner, "sample", failing_sample)
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in prompts[:2]]
     ids.append(engine.add_request(engine.make_request(prompts[2], params)))  # forks right after its prompt

@@ -191,7 +191,7 @@ def interrupted_step(engine, at: int, error=Injected) -> list:
     try:
         return tracer.run(engine.step)
     except error:
-        assert_as_before(before, engine_state(engine), written=engine.journal.kv_written)
+        assert_as_before(before, engine_state(engine), written=engine.model_runner.kv_written)
         assert_consistent(engine)
         return []
 

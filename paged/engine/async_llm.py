@@ -281,7 +281,7 @@ class EngineLoop:
                 self.emit(("outputs", news))
             if step is not None:
                 scheduler = self.engine.scheduler
-                self.steps.append(LoopStep(step, self.engine.last_forward_time,
+                self.steps.append(LoopStep(step, self.engine.model_runner.last_forward_time,
                                            time.perf_counter() - turn_start - step_time,
                                            len(scheduler.waiting) + len(scheduler.swapped), len(scheduler.running)))
         self._fail_all(RuntimeError("the engine loop has stopped"))

@@ -13,7 +13,7 @@ kept by their lengths; the block manager and the tiers, whose free lists are too
 changes into their record instead (`stop_logging` closes the logs when the step commits) and undo them newest first.
 
 K/V tensors are not copied: a step writes past the computed tokens of every sequence it began with, except in blocks
-and tier slots it took for fresh use. If the step got as far as writing (`kv_written`), those lose their cached
+and tier slots it took for fresh use. If the step got as far as writing (the model runner's `kv_written`), those lose their cached
 names, and a sequence it preempted whose blocks or slots it gave to another is recomputed (the scheduler puts it
 back at the head of the waiting queue).
 """
@@ -53,13 +53,12 @@ class StepJournal:
 
     def __init__(self, engine):
         self.engine = engine
-        self.kv_written = False   # within a step: K/V tensors have been written (the engine sets it)
         self._record: EngineState | None = None
 
     def begin(self) -> None:
         """Snapshot every participant; the block manager and the tiers log their changes from now on."""
         engine = self.engine
-        self.kv_written = False
+        engine.model_runner.kv_written = False
         touched = {seq.request.request_id: seq.request for seq in engine.scheduler.may_change()}
         self._record = EngineState(
             requests=dict(engine.requests),
@@ -87,15 +86,16 @@ class StepJournal:
         """Put every participant back as begin found it, and drop the record. Sequences whose K/V the step
         overwrote (blocks or tier slots it gave to another) go back to be recomputed."""
         engine, record, self._record = self.engine, self._record, None
+        written = engine.model_runner.kv_written
         engine.requests, engine.num_steps, engine.last_schedule = \
             dict(record.requests), record.num_steps, record.last_schedule
         for request, state in record.request_states:
             request.restore(state)
-        lost = set(engine.block_manager.restore(record.block_manager, self.kv_written))
+        lost = set(engine.block_manager.restore(record.block_manager, written))
         if engine.swap_space is not None:
-            lost.update(engine.swap_space.restore(record.swap_space, self.kv_written))
+            lost.update(engine.swap_space.restore(record.swap_space, written))
         if engine.prefix_tier is not None:
-            engine.prefix_tier.restore(record.prefix_tier, self.kv_written)
+            engine.prefix_tier.restore(record.prefix_tier, written)
         if engine.speculator is not None:
             engine.speculator.restore(record.speculator)
         engine.kv_connector.restore(record.kv_connector)

@@ -872,7 +872,7 @@ def server_defaults() -> dict:
 def serving_llm(model="smollm2", **settings):
     """An LLM with the server's defaults (server_defaults), any of them overridden by settings. Returns it and, when
     its token budget was left to the machine (max_num_batched_tokens None), the TokenBudget it was sized to."""
-    from paged import LLM
+    from paged.engine.llm import LLM
 
     settings = {**server_defaults(), **settings}
     budget = settings.pop("max_num_batched_tokens")
