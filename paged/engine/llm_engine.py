@@ -32,7 +32,8 @@ from paged.engine.stop_strings import check_stop_strings
 from paged.geometry import KVGeometry, dtype_bytes
 from paged.kv_connector import KVConnector
 from paged.lora import LoRAManager, LoRARequest
-from paged.model.llama import PagedLlama, default_attention_backend
+from paged.model.attention_backends import default_attention_backend
+from paged.model.llama import PagedLlama
 from paged.model.loader import load_model, model_config
 from paged.model.tensor_parallel import check_tensor_parallel
 from paged.sampling_params import SamplingParams
