@@ -4,8 +4,8 @@
 // In plain torch RMSNorm takes seven ops (a square, a sum, a division, an add, a reciprocal square root, two
 // multiplies; in bf16 also a conversion to fp32 and one back), RoPE four and SiLU-and-multiply two; each reads and
 // writes the whole tensor and, on a small decode batch, costs more in launching than in arithmetic. Here each is
-// one loop. They do the same floating-point operations in the same order as paged/model/layer_ops.py's torch code, in
-// fp32 and in bf16 (the library is compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16
+// one loop. They do the same floating-point operations in the same order as paged/model/llama.py's torch code, in fp32
+// and in bf16 (the library is compiled with -ffp-contract=off, so a * b + c is never fused into one rounding; bf16
 // values are computed in fp32 and rounded to bf16 where torch rounds them), and so give the same bits. One exception:
 // torch's elementwise loop cuts its work between threads at element counts, and a piece that begins inside a row runs
 // its vectors from there; where that cut is off the vector step, SiLU-and-multiply computes a few elements with the
@@ -71,7 +71,7 @@ void dispatch(const Tensor& tensor, const F& f) {
 // aten/src/ATen/native/cpu/SumKernel.cpp): vectors of eight values in four interleaved running sums, each summed in
 // chunks of 16 vectors so that only values of a similar size meet; the four, then the leftover values one by one,
 // then the eight lanes. Rows shorter than a vector take the same path on single values. Eight lanes, because torch
-// runs the sum of its AVX2 build on an AVX-512 CPU too (paged/model/layer_ops.py uses this op only on those two).
+// runs the sum of its AVX2 build on an AVX-512 CPU too (paged/model/llama.py uses this op only on those two).
 constexpr int64_t kSumLanes = 8;
 typedef float Lanes __attribute__((vector_size(kSumLanes * sizeof(float))));  // adds lane by lane, as a vector
 
