@@ -31,8 +31,7 @@ import torch
 
 from paged import LLM, SamplingParams
 from paged.analysis.traces import sharegpt_trace
-from paged.model.llama import PagedLlama
-from paged.model.loader import chat_prompt, load_hf_model
+from paged.model.loader import chat_prompt, load_hf_model, load_model
 from paged.model.packed_linear import linear
 
 TOPICS = ["the ocean", "volcanoes", "the history of tea", "black holes", "bees", "the printing press", "jazz",
@@ -132,7 +131,7 @@ class Matmuls:
     the weights packed as the engine packs them (paged/model/packed_linear.py)."""
 
     def __init__(self, model):
-        paged = PagedLlama(model)   # the engine's own fused (and, where it packs, packed) weights
+        paged, _ = load_model(model)   # the engine's own fused (and, where it packs, packed) weights
         self.layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in paged.layers]
         self.lm_head = paged.lm_head
         self.hidden_size, self.dtype = model.config.hidden_size, model.dtype

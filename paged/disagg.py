@@ -54,7 +54,8 @@ from paged.core.sequence import Request, RequestMetrics, RequestOutput
 from paged.engine.sampler import decode_logprobs
 from paged.geometry import KVGeometry, cdiv
 from paged.kv_connector import KVConsumer, KVProducer
-from paged.model.llama import ATTENTION_BACKENDS, check_model
+from paged.model.attention_backends import ATTENTION_BACKENDS
+from paged.model.loader import check_model
 from paged.sampling_params import SamplingParams
 from paged.validation import as_prompt_list, block_size_of, integer, prompt_token_ids, real
 

@@ -1,4 +1,4 @@
-"""Bring your own model (model/checkpoints.py, model/architectures.py): Llama, Mistral, Qwen2, Qwen3 folders against transformers.
+"""Bring your own model (model/checkpoints.py, model/loader.py, model/architectures.py): Llama, Mistral, Qwen2, Qwen3 folders against transformers.
 
 Every model is random, with awkward shapes: GQA 1:1 and 4:1, head_dim 64 and 128 (explicit, unlike hidden_size /
 heads, where the config allows it), one or three layers, a vocabulary of 331 (not a multiple of 64), tied and untied
@@ -321,7 +321,8 @@ def test_the_command_line_runs_a_folder(folders, capsys):
 PEAK_SCRIPT = textwrap.dedent("""
     import gc, sys, torch
     from pathlib import Path
-    from paged.model.checkpoints import load_checkpoint, read_config
+    from paged.model.checkpoints import read_config
+    from paged.model.loader import load_model
 
     def kib(field):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
@@ -332,7 +333,7 @@ PEAK_SCRIPT = textwrap.dedent("""
         gc.collect()
         open("/proc/self/clear_refs", "w").write("5")        # VmHWM := VmRSS
         before = kib("VmRSS")
-        model = load_checkpoint(folder, torch.device("cpu"), torch.float32, "torch")
+        model, _ = load_model(folder, None, torch.device("cpu"), torch.float32, "torch", with_tokenizer=False)
         tensors = [model.embed_tokens, model.final_norm, model.lm_head]
         tensors += [t for layer in model.layers for t in vars(layer).values() if t is not None]
         weights = sum(t.nbytes for t in {id(t): t for t in tensors}.values())

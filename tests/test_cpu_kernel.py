@@ -22,7 +22,8 @@ from helpers import make_tiny_llm, random_prompts, tiny_llama
 from paged import LLM, SamplingParams
 from paged.kernels import cpu
 from paged.model import attention as ref
-from paged.model.llama import add_rms_norm, apply_rope, attention_backend, silu_and_mul
+from paged.model.attention_backends import get_attn_backend
+from paged.model.layer_ops import add_rms_norm, apply_rope, get_layer_ops, silu_and_mul
 
 # the kernel tests' inputs, on the CPU even where there is a GPU
 paged_pool = functools.partial(helpers.paged_pool, device="cpu")
@@ -146,8 +147,8 @@ def test_cache_write_matches_write_kv(slot_dtype):
 @pytest.mark.parametrize("num_tokens", [1, 5, 64])
 def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     """RoPE in place on a strided slice of a fused qkv tensor, SiLU-and-multiply (a width whose last elements torch
-    computes one by one), and RMSNorm with the residual add: the same floats as paged.model.llama's torch code, to the
-    last bit, in fp32 and bf16 (so the engine's tokens cannot drift from the oracle here)."""
+    computes one by one), and RMSNorm with the residual add: the same floats as paged.model.layer_ops's torch code, to
+    the last bit, in fp32 and bf16 (so the engine's tokens cannot drift from the oracle here)."""
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = (3 * torch.randn(num_tokens, 15 * 64, generator=gen)).to(dtype)
     cos, sin = (torch.randn(num_tokens, 64, generator=gen).to(dtype) for _ in range(2))
@@ -157,7 +158,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     gate_up = (4 * torch.randn(num_tokens, 2 * 1560, generator=gen)).to(dtype)
     assert torch.equal(cpu.load().silu_and_mul(gate_up), silu_and_mul(gate_up.clone()))
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # there the engine keeps torch's RMSNorm
-        assert attention_backend("cpu", dtype).add_rms_norm is add_rms_norm
+        assert get_layer_ops("cpu", dtype).add_rms_norm is add_rms_norm
         return
     for hidden_size in (5, 576, 4100, 40000):  # a partial vector; cascades of 16 vectors; a row torch's sum splits
         hidden = (3 * torch.randn(num_tokens, hidden_size, generator=gen)).to(dtype)
@@ -271,10 +272,10 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeyp
     monkeypatch.setattr(cpu, "library_name", lambda: "paged_cpu_attention_never_built")
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.warns(RuntimeWarning, match="no C.. compiler found .*the engine attends with the torch reference"):
-        assert attention_backend("cpu").name == "torch"
+        assert get_attn_backend("cpu", torch.device("cpu")).name == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                  # the second time: no warning at all
-        assert attention_backend("cpu").name == "torch"
+        assert get_attn_backend("cpu", torch.device("cpu")).name == "torch"
 
 
 def test_the_cpu_backend_is_the_default_on_a_cpu(tiny_model):

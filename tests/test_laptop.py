@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from paged import kernels
 from paged.kernels import cpu
-from paged.model.llama import attention_backend, default_attention_backend
+from paged.model.attention_backends import default_attention_backend, get_attn_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "chapters"))
 import needs  # noqa: E402  (chapters/needs.py, the chapters' cell magic)
@@ -56,7 +56,7 @@ def test_the_engine_runs_without_triton_and_its_kernels_say_why_not():
 def test_the_triton_backend_is_refused_by_name_and_never_the_default_without_triton(monkeypatch):
     monkeypatch.setattr(kernels, "triton_missing", lambda: "Triton is not installed here")
     with pytest.raises(ValueError, match="attention_backend 'triton': Triton is not installed here; use 'cpu' or"):
-        attention_backend("triton")
+        get_attn_backend("triton", torch.device("cuda"))
     assert default_attention_backend(torch.device("cuda")) == "torch"
     assert default_attention_backend(torch.device("cpu")) == "cpu"
     monkeypatch.setattr(kernels, "triton_missing", lambda: None)

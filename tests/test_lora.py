@@ -20,7 +20,7 @@ from paged import LoRARequest, SamplingParams
 from paged import lora as lora_module
 from paged.config import MAX_LORA_RANK, MAX_LORAS
 from paged.lora import TARGET_MODULES, LoRAAdapter, LoRASlots, lora_ops
-from paged.model.llama import PagedLlama
+from paged.model.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -363,7 +363,7 @@ def test_lora_slots_are_bounded_before_anything_is_allocated(kwargs, message, ad
 
 def test_lora_slots_must_fit_the_memory_available(monkeypatch):
     """The slots' size is known before they are allocated: within the bounds, they must fit the device's memory."""
-    model = PagedLlama(tiny_llama(), "torch")
+    model, _ = load_model(tiny_llama(), backend="torch")
     assert LoRASlots.nbytes_for(model, 3, 8) == LoRASlots(model, 3, 8).nbytes
     monkeypatch.setattr(lora_module, "available_memory", lambda device=None: LoRASlots.nbytes_for(model, 4, 16) - 1)
     with pytest.raises(ValueError, match=r"max_loras \(4\) slots of max_lora_rank \(16\) take .* GiB on cpu"):
@@ -422,5 +422,4 @@ def test_slots_hold_what_each_step_needs(tiny_slots_model, steps, max_loras):
 
 @pytest.fixture(scope="module")
 def tiny_slots_model():
-    from paged.model.llama import PagedLlama
-    return PagedLlama(tiny_llama(), "torch")
+    return load_model(tiny_llama(), backend="torch")[0]

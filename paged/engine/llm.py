@@ -18,7 +18,7 @@ from paged.core.sequence import RequestOutput
 from paged.engine.llm_engine import LLMEngine
 from paged.engine.multiproc_executor import MultiprocExecutor
 from paged.lora import LoRARequest
-from paged.model.llama import default_attention_backend
+from paged.model.attention_backends import default_attention_backend
 from paged.model.loader import load_model, model_config
 from paged.model.tensor_parallel import check_tensor_parallel
 from paged.sampling_params import SamplingParams

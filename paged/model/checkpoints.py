@@ -1,21 +1,20 @@
-"""Bring your own model: a Llama, Mistral, Qwen2 or Qwen3 checkpoint folder, read straight into the engine (guide §2).
+"""Bring your own model: the checkpoint folder's format, for a Llama, Mistral, Qwen2 or Qwen3 (guide §2).
 
     LLM(model="/path/to/Qwen3-0.6B")        a folder in transformers' format
     LLM(model="Qwen/Qwen3-0.6B")            a model already in the local Hugging Face cache (never downloaded)
 
 A folder holds config.json, the weights as safetensors (model.safetensors, or shards named by
-model.safetensors.index.json) and the tokenizer's files. The transformers model is never built: the engine's
-tensors (fused QKV, fused gate/up, ...) are allocated once, in the dtype asked for, and each checkpoint tensor is
-read from its file straight into its rows, shard by shard. A safetensors file is an 8-byte header length, a JSON
-header (each tensor's dtype, shape and byte range) and the raw little-endian bytes; reading those bytes with
-readinto, rather than through a memory map, keeps the process holding the weights once: a mapped file's pages
-would count as the process's memory until the file is closed.
+model.safetensors.index.json) and the tokenizer's files. This module reads that format: where the folder is, its
+config and architecture, its weight files and their headers, one tensor's bytes, its tokenizer; model/loader.py
+reads the weights into the engine's layout with it. A safetensors file is an 8-byte header length, a JSON header
+(each tensor's dtype, shape and byte range) and the raw little-endian bytes; reading those bytes with readinto,
+rather than through a memory map, keeps the process holding the weights once: a mapped file's pages would count as
+the process's memory until the file is closed.
 
 Everything wrong with a folder is a ValueError naming it: no config.json, an architecture the engine does not run,
 a missing, unexpected or misshapen tensor, a tokenizer that cannot be read.
 """
 
-import importlib
 import json
 import os
 import struct
@@ -23,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from paged.model.architectures import check_supported, layer_tensor_shapes
-from paged.model.llama import LayerWeights, ModelWeights, PagedLlama
+from paged.model.architectures import check_supported
 
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -127,33 +125,6 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def engine_layout(config, arch) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """Each checkpoint tensor -> (engine tensor, first row in it, expected shape); engine tensors are named
-    'embed_tokens', 'final_norm', 'lm_head', or 'layers.{i}.{field of LayerWeights}'."""
-    hidden, vocab = config.hidden_size, config.vocab_size
-    layout = {"model.embed_tokens.weight": ("embed_tokens", 0, (vocab, hidden)),
-              "model.norm.weight": ("final_norm", 0, (hidden,))}
-    if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = ("lm_head", 0, (vocab, hidden))
-    shapes = layer_tensor_shapes(config)
-    for index in range(config.num_hidden_layers):
-        for name, parts in arch.layer_tensors().items():
-            row = 0
-            for part in parts:
-                layout[f"model.layers.{index}.{part}"] = (f"layers.{index}.{name}", row, shapes[part])
-                row += shapes[part][0]
-    return layout
-
-
-def allocate(layout: dict, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """The engine's tensors, empty: each fused tensor once, with the rows of all its parts."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for target, row, shape in layout.values():
-        rows = max(shapes.get(target, (0,))[0], row + shape[0])
-        shapes[target] = (rows, *shape[1:])
-    return {target: torch.empty(shape, dtype=dtype, device=device) for target, shape in shapes.items()}
-
-
 def read_tensor(f, start: int, name: str, entry: dict, out: torch.Tensor, path: Path) -> None:
     """Read one checkpoint tensor's bytes into `out` (contiguous rows of an engine tensor), converting its dtype."""
     source_dtype = DTYPES.get(entry["dtype"])
@@ -180,56 +151,6 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
         if entry is not None:
             return DTYPES.get(entry["dtype"], torch.float32)
     raise ValueError(f"model folder {str(folder)!r} is missing tensor 'model.embed_tokens.weight'")
-
-
-def load_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, backend: str,
-                    argument: str = "model") -> PagedLlama:
-    """The folder's model as a PagedLlama, its weights read once into the engine's layout."""
-    return PagedLlama.from_weights(*read_checkpoint(folder, device, dtype, argument), backend)
-
-
-def read_checkpoint(folder: Path, device: torch.device, dtype: torch.dtype, argument: str = "model"):
-    """(config, architecture, ModelWeights, rotary module): what PagedLlama.from_weights makes a model of."""
-    from tqdm.auto import tqdm
-    config, arch = read_config(folder, argument)
-    files = weight_files(folder)
-    layout = engine_layout(config, arch)
-    tensors = allocate(layout, dtype, device)
-    headers = {path: read_header(path) for path in files}
-    seen = set()
-    total = sum(end - begin for _, header in headers.values() for begin, end in
-                (entry["data_offsets"] for entry in header.values()))
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {folder.name}") as bar:
-        for path, (start, header) in headers.items():
-            bar.set_postfix_str(path.name)
-            with open(path, "rb") as f:
-                for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-                    bar.update(entry["data_offsets"][1] - entry["data_offsets"][0])
-                    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
-                        continue  # tied: transformers uses the embedding as the head and ignores this copy
-                    if name not in layout:
-                        raise ValueError(f"unexpected tensor {name!r} in {path.name}: it is not a weight of a "
-                                         f"{arch.name} with this {CONFIG}")
-                    target, row, shape = layout[name]
-                    if tuple(entry["shape"]) != shape:
-                        raise ValueError(f"tensor {name!r} in {path.name} has shape {tuple(entry['shape'])}; "
-                                         f"{CONFIG} says {shape}")
-                    if name in seen:
-                        raise ValueError(f"tensor {name!r} is stored twice (again in {path.name})")
-                    read_tensor(f, start, name, entry, tensors[target][row:row + shape[0]], path)
-                    seen.add(name)
-    missing = sorted(set(layout) - seen)
-    if missing:
-        raise ValueError(f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    # popped, so that weights holds the only reference and the model's setup can replace tensors (model/packed_linear.py)
-    layers = [LayerWeights(**{name: tensors.pop(f"layers.{index}.{name}") for name in arch.layer_tensors()})
-              for index in range(config.num_hidden_layers)]
-    embed = tensors.pop("embed_tokens")
-    weights = ModelWeights(embed, tensors.pop("final_norm"), tensors.pop("lm_head", embed), layers)
-    module, _, class_name = arch.rotary.rpartition(".")
-    rotary = getattr(importlib.import_module(module), class_name)(config).to(device)  # fp32, as transformers keeps it
-    return config, arch, weights, rotary
 
 
 def load_tokenizer(folder: Path):

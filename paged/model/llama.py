@@ -1,10 +1,11 @@
-"""The Llama-family forward pass over HF weights, reading and writing the paged KV cache (guide §5, §7).
+"""The Llama-family forward pass over HF weights, reading and writing the paged KV cache (guide §2, §5, §7).
 
-transformers supplies the weights (a model object, or a checkpoint folder read by model/checkpoints.py) and the rotary
-table; the attention path is ours. One forward call runs a whole engine step: the new tokens of every scheduled
-sequence, flattened into one [num_tokens] batch (single-token decodes first, then prefill chunks), so every matmul
-sees all of them at once. Attention then splits into a decode call (one query per sequence) and a prefill call (a
-ragged chunk per sequence), both over block tables.
+model/loader.py supplies the weights (from a transformers model object or a checkpoint folder) and transformers the
+rotary table; the attention path is ours (model/attention_backends.py; model/layer_ops.py for the ops around it).
+One forward call runs a whole engine step: the new tokens of every scheduled sequence, flattened into one
+[num_tokens] batch (single-token decodes first, then prefill chunks), so every matmul sees all of them at once.
+Attention then splits into a decode call (one query per sequence) and a prefill call (a ragged chunk per sequence),
+both over block tables.
 
 Per layer:  x -> RMSNorm -> fused QKV (+ bias) -> (per-head q/k RMSNorm) -> RoPE -> write K,V into the pool
               -> paged attention -> O -> RMSNorm -> fused gate/up -> SiLU * up -> down,   each with a residual add.
@@ -16,39 +17,16 @@ untied embeddings, the static RoPE scalings (linear, dynamic within max_position
 table comes from the model's own rotary module.
 """
 
-import functools
 import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from paged import kernels
-from paged.model import attention as torch_attention
-from paged.model.architectures import ARCHITECTURES, Architecture, check_supported, head_dim, max_model_len
+from paged.model.architectures import Architecture, head_dim, max_model_len
+from paged.model.attention_backends import get_attn_backend
+from paged.model.layer_ops import get_layer_ops, rms_norm, signed_sine
 from paged.model.packed_linear import linear, pack
-
-ATTENTION_BACKENDS = ("cpu", "torch", "triton")
-
-
-def default_attention_backend(device: torch.device) -> str:
-    """The Triton kernels on a GPU, the C++ kernel on a CPU; the torch reference on a GPU without Triton."""
-    if device.type == "cpu":
-        return "cpu"
-    return "torch" if kernels.triton_missing() else "triton"
-
-
-def check_model(hf_model, argument: str = "model") -> Architecture:
-    """The description of a transformers model object; a ValueError naming `argument` and the setting if it is not
-    one of the supported architectures in a setting this forward pass runs exactly as transformers does."""
-    import transformers
-    class_name = type(hf_model).__name__
-    for name in ARCHITECTURES:
-        if isinstance(hf_model, getattr(transformers, name)):
-            class_name = name
-    return check_supported(class_name, getattr(hf_model, "config", None), argument)
-
 
 # PAGED_CHECK_KERNELS=1 in the environment (or this flag set True) runs the kernels' input checks
 # (paged/kernels/checks.py) on each step's metadata, once per step; they read the tables back from the device.
@@ -94,92 +72,6 @@ class AttentionMetadata:
         self.checked = True
 
 
-def attention_backend(name: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
-    """The three attention operations the forward pass needs (write_kv, decode, prefill), and the name of what
-    provides them: the torch reference, the Triton kernels, or the C++ kernel for a CPU (paged/kernels/cpu.py), which
-    reads K/V in place in the pool. Three small per-layer ops come along (add_rms_norm, rope, silu_and_mul): in
-    torch, or, for fp32 and bf16 on the CPU, fused by the C++ library, with the same bits (the fused RMSNorm only on
-    x86 CPUs with AVX2 or AVX-512, where its order of additions is torch's). Where the C++ library
-    cannot be built, "cpu" falls back to the torch reference after one warning.
-
-    Every backend takes the same arguments: write_kv(k, v, key_cache, value_cache, slot_mapping);
-    decode(q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len);
-    prefill(q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-    max_context_len). None checks its inputs (the engine's tables are valid; see CHECK_KERNELS), and none reads a
-    tensor back from the device: the longest lengths come from AttentionMetadata."""
-    if name == "cpu":
-        from paged.kernels import cpu
-        ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
-        if ops is not None:
-            def cpu_decode(q, kc, vc, tables, lens, scale, max_context_len):  # its loops stop at each length
-                return ops.decode(q, kc, vc, tables, lens, scale)
-
-            def cpu_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len, max_context_len):
-                return ops.prefill(q, kc, vc, tables, query_start_loc, lens, scale)
-
-            fused = dtype in (torch.float32, torch.bfloat16)     # the dtypes the fused layer ops are written for
-            # the fused RMSNorm adds in the order of torch's sum on an x86 CPU with AVX2 (or AVX-512)
-            fused_norm = fused and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-            return SimpleNamespace(name="cpu", write_kv=ops.reshape_and_cache, decode=cpu_decode, prefill=cpu_prefill,
-                                   add_rms_norm=ops.rms_norm if fused_norm else add_rms_norm,
-                                   rope=ops.rotary if fused else apply_rope,
-                                   silu_and_mul=ops.silu_and_mul if fused else silu_and_mul)
-        name = "torch"
-    if name == "torch":
-        return SimpleNamespace(name="torch", write_kv=functools.partial(torch_attention.write_kv, may_skip=False),
-                               decode=torch_attention.decode_attention, prefill=torch_attention.prefill_attention,
-                               add_rms_norm=add_rms_norm, rope=apply_rope, silu_and_mul=silu_and_mul)
-    if name == "triton":
-        if kernels.triton_missing():
-            raise ValueError(f"attention_backend 'triton': {kernels.triton_missing()}; use 'cpu' or 'torch'")
-
-        def triton_decode(q, kc, vc, tables, lens, scale, max_context_len):
-            return kernels.launch_decode(q, kc, vc, tables, lens, scale, max_context_len)
-
-        def triton_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len, max_context_len):
-            return kernels.launch_prefill(q, kc, vc, tables, query_start_loc, lens, scale, max_query_len)
-
-        return SimpleNamespace(name="triton", write_kv=kernels.write_cache, decode=triton_decode,
-                               prefill=triton_prefill, add_rms_norm=add_rms_norm, rope=apply_rope,
-                               silu_and_mul=silu_and_mul)
-    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As LlamaRMSNorm (x * rsqrt(mean(x^2) + eps) * weight), in one fused op; bit-equal to HF's in fp32."""
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """hidden += delta (the residual add, in place; skipped when delta is None), then rms_norm(hidden): vLLM's
-    fused_add_rms_norm, written in torch."""
-    if delta is not None:
-        hidden += delta
-    return rms_norm(hidden, weight, eps)
-
-
-def signed_sine(sin: torch.Tensor) -> torch.Tensor:
-    """HF's sin table [positions, head_dim] with its first half negated, for apply_rope."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim]; cos and signed_sine(sin) [num_tokens, head_dim], HF's tables.
-
-    HF rotates x = [x1, x2] into x * cos + [-x2, x1] * sin. Rolling x by half a head gives [x2, x1]; the minus
-    sign lives in signed_sin. The products are the same floats, so the result is bit-equal to HF's.
-    """
-    out = x * cos[:, None, :]
-    return out.add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin[:, None, :]))
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [num_tokens, 2 * intermediate] -> silu(gate) * up [num_tokens, intermediate], as HF's LlamaMLP."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
-
-
 def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in] @ weight^T [in, out] (+ bias [out]), plus each token's LoRA update when the step has
@@ -214,40 +106,20 @@ class ModelWeights:
     layers: list[LayerWeights]
 
 
-def module_weights(hf_model, arch: Architecture) -> ModelWeights:
-    """The engine's layout of a transformers model object's weights: its own tensors where nothing is fused."""
-    state = hf_model.state_dict()  # detached tensors sharing the parameters' memory
-    layers = []
-    for index in range(hf_model.config.num_hidden_layers):
-        parts = {name: [state[f"model.layers.{index}.{hf_name}"] for hf_name in hf_names]
-                 for name, hf_names in arch.layer_tensors().items()}
-        layers.append(LayerWeights(**{name: torch.cat(p) if len(p) > 1 else p[0] for name, p in parts.items()}))
-    return ModelWeights(state["model.embed_tokens.weight"], state["model.norm.weight"],
-                        hf_model.lm_head.weight.detach(), layers)
-
-
 class PagedLlama:
     """A Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) that keeps its KV cache in a paged pool.
 
-    PagedLlama(hf_model, backend) runs a transformers model object on its own weights;
-    PagedLlama.from_weights(...) runs weights already in the engine's layout (checkpoints.load_checkpoint)."""
+    model/loader.py's load_model makes one from any source (the bundled model, a transformers model object, a
+    checkpoint folder): config and arch describe it, weights are already in the engine's layout, and rotary_emb is
+    transformers' rotary module for this config (it gives the cos and sin tables). source says where the weights came
+    from ("smollm2", the model object, a folder's resolved path), so that a draft of the same model can share them.
+    backend names the attention backend (model/attention_backends.py); tensor_parallel is this rank's
+    TensorParallelGroup (model/tensor_parallel.py), whose shard the weights already are: the forward pass then adds
+    the ranks' partial sums and gathers their logits."""
 
-    def __init__(self, hf_model, backend: str = "torch"):
-        arch = check_model(hf_model)
-        self._setup(hf_model.config, arch, module_weights(hf_model, arch), hf_model.model.rotary_emb, backend)
-
-    @classmethod
-    def from_weights(cls, config, arch: Architecture, weights: ModelWeights, rotary_emb,
-                     backend: str = "torch", tensor_parallel=None) -> "PagedLlama":
-        """rotary_emb: transformers' rotary module for this config (it gives the cos and sin tables).
-        tensor_parallel: this rank's TensorParallelGroup (model/tensor_parallel.py), whose shard the weights already are;
-        the forward pass then adds the ranks' partial sums and gathers their logits."""
-        model = cls.__new__(cls)
-        model._setup(config, arch, weights, rotary_emb, backend, tensor_parallel)
-        return model
-
-    def _setup(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, backend: str,
-               tensor_parallel=None) -> None:
+    def __init__(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, source, backend: str = "torch",
+                 tensor_parallel=None):
+        self.source = source
         self.config, self.arch = config, arch
         self.tp = tensor_parallel
         self.num_heads = config.num_attention_heads
@@ -262,10 +134,8 @@ class PagedLlama:
         self.eps = config.rms_norm_eps
         self.max_position = max_model_len(arch, config)
         self.dtype, self.device = weights.embed_tokens.dtype, weights.embed_tokens.device
-        if backend == "cpu" and self.device.type != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {self.device}; "
-                             f"use 'triton' or 'torch' there")
-        self.backend = attention_backend(backend, self.dtype)
+        self.backend = get_attn_backend(backend, self.device)
+        self.layer_ops = get_layer_ops(self.backend.name, self.dtype)
         self.embed_tokens, self.final_norm = weights.embed_tokens, weights.final_norm
         # On a CPU, each matmul's weight is reordered once for oneDNN (model/packed_linear.py), in place, one tensor at a
         # time, so the plain one is freed as its packed copy is made; a tied LM head gets a packed copy of its own
@@ -296,20 +166,20 @@ class PagedLlama:
             hidden = self.tp.embed(input_ids, self.embed_tokens)
         delta = None        # what the last sublayer adds to the residual stream, added as the next norm reads it
         for index, layer in enumerate(self.layers):
-            x = self.backend.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
+            x = self.layer_ops.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
             qkv = project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
             qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
             qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             if self.arch.qk_norm:  # one RMSNorm over each head's head_dim, shared by all q heads (and all k heads)
                 q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
                 qk = torch.cat([rms_norm(q, layer.q_norm, self.eps), rms_norm(k, layer.k_norm, self.eps)], dim=1)
-            qk = self.backend.rope(qk, cos, sin)
+            qk = self.layer_ops.rope(qk, cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # RoPE'd once for all q and k heads
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             out = self._attention(q, k, v, kv_cache.key_cache(index), kv_cache.value_cache(index), meta)
             delta = self._reduce(project(out.view(num_tokens, q_size), layer.o, lora, index, "o"))
-            x = self.backend.add_rms_norm(hidden, delta, layer.post_norm, self.eps)
-            act = self.backend.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
+            x = self.layer_ops.add_rms_norm(hidden, delta, layer.post_norm, self.eps)
+            act = self.layer_ops.silu_and_mul(project(x, layer.gate_up, lora, index, "gate_up"))
             delta = self._reduce(project(act, layer.down, lora, index, "down"))
         hidden += delta
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
