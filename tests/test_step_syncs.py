@@ -10,6 +10,7 @@ from helpers import make_tiny_llm, needs_triton, random_prompts, tiny_llama
 
 import paged.kernels.checks
 from paged import SamplingParams
+from paged.model import attention as reference
 from paged.model import llama as model_module
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -68,9 +69,9 @@ def test_the_recorder_sees_the_reference_read_back_its_lengths(four_layers):
     """Without the ints from the metadata the torch reference reads its longest context back, once per layer:
     the recorder above is not blind to it."""
     llm = make_tiny_llm(four_layers, attention_backend="torch")
-    backend = llm.engine.model.backend
-    decode, decode_steps = backend.decode, []
-    backend.decode = lambda *args: decode(*args[:-1])          # drop max_context_len: the reference reads it back
+    decode_steps = []
+    # the reference without max_context_len, which it then reads back
+    llm.engine.model.backend.decode = lambda *args: reference.decode_attention(*args[:-1])
     calls = record_forward_read_backs(llm)
     forward = llm.engine.model.forward
     llm.engine.model.forward = lambda *args, **kwargs: (decode_steps.append(args[2].num_decode_tokens > 0)
