@@ -53,7 +53,7 @@ class ModelRunner:
                                 config.block_size, dtype=model.dtype, device=self.device)
         self.swap_space, self.prefix_tier = build_tiers(config.offload, block_manager, self.kv_cache)  # guide §15
         self.kv_connector, self.lora, self.speculator, self.executor = kv_connector, lora, speculator, executor
-        self.kv_written = False  # within a step: K/V tensors have been written (LLMEngine.transaction)
+        self.kv_written = False  # within a step: K/V tensors have been written (the step journal reads it)
         self.last_forward_time = 0.0  # seconds the last step spent in the model's forward pass (host time)
         if executor is not None:
             executor.local_worker = Worker(executor.group, model, self.kv_cache)
