@@ -297,13 +297,13 @@ WARMUP_CALLS = 3   # untimed all-reduces of every size before the timed ones
 
 def _all_reduce_rank(rank: int, world_size: int, addr: str, port: int, sizes, repeats: int, results) -> None:
     """One rank of measure_all_reduce, in a spawned process: join the group the torchrun way (environment
-    variables), time each size `repeats` times after a barrier, check the sums, and rank 0 reports the medians."""
+    variables), time each size `repeats` times after a barrier, check the sums, and rank 0 reports the fastest."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     try:
-        medians, correct = {}, True
+        fastest, correct = {}, True
         for size in sizes:                                                       # connections and buffers set up
             for _ in range(WARMUP_CALLS):
                 dist.all_reduce(torch.ones(size // 4))
@@ -317,9 +317,9 @@ def _all_reduce_rank(rank: int, world_size: int, addr: str, port: int, sizes, re
                 dist.all_reduce(tensor)
                 times.append(time.perf_counter() - start)
             correct &= bool(torch.all(tensor == world_size * (world_size + 1) / 2))
-            medians[size] = statistics.median(times)
+            fastest[size] = min(times)
         if rank == 0:
-            results.put((medians, correct))
+            results.put((fastest, correct))
     finally:
         dist.destroy_process_group()
 
@@ -327,13 +327,16 @@ def _all_reduce_rank(rank: int, world_size: int, addr: str, port: int, sizes, re
 @dataclass(frozen=True)
 class AllReduceTimes:
     world_size: int
-    medians: dict[int, float]     # bytes of the tensor -> median seconds of one all-reduce
+    fastest: dict[int, float]     # bytes of the tensor -> seconds of the fastest all-reduce of that size
     correct: bool                 # every rank ended with the sum of all ranks' tensors
 
 
 def measure_all_reduce(world_size: int = 2, sizes=None, repeats: int = 20, timeout: float = 120.0) -> AllReduceTimes:
     """Time torch.distributed.all_reduce over gloo between world_size spawned processes on this host (fp32 tensors
-    of `sizes` bytes, default SmolLM2's decode step and prefill chunk); the median of `repeats` calls per size.
+    of `sizes` bytes, default SmolLM2's decode step and prefill chunk); the fastest of `repeats` calls per size.
+    The fastest, not the median: a call that waits for the operating system to wake the other rank's process takes
+    milliseconds longer, and on a shared or virtual machine a third of the calls or more can do so, which moves the
+    median from run to run by more than the bytes do.
 
     Works from a notebook: the ranks run a function of this module in fresh interpreters (spawn), which all exit
     before this returns, or are killed if they have not within `timeout` seconds."""
@@ -359,21 +362,21 @@ def measure_all_reduce(world_size: int = 2, sizes=None, repeats: int = 20, timeo
         if failed:
             raise RuntimeError(f"all-reduce rank(s) {[ranks.index(p) for p in failed]} failed or timed out "
                                f"(exit codes {[p.exitcode for p in failed]})")
-        medians, correct = results.get()
+        fastest, correct = results.get()
     finally:
         for process in ranks:
             if process.is_alive():
                 process.kill()
             process.join()
         results.close()
-    return AllReduceTimes(world_size, medians, correct)
+    return AllReduceTimes(world_size, fastest, correct)
 
 
 def fit_all_reduce(times: AllReduceTimes) -> tuple[float, float]:
-    """(latency s, bandwidth B/s) of the alpha-beta model fitted to measured medians: time = latency + ring bytes /
+    """(latency s, bandwidth B/s) of the alpha-beta model fitted to measured times: time = latency + ring bytes /
     bandwidth, weighted so that small and large tensors count alike (relative error)."""
-    ring = np.array([ring_all_reduce_bytes(size, times.world_size) for size in times.medians])
-    seconds = np.array(list(times.medians.values()))
+    ring = np.array([ring_all_reduce_bytes(size, times.world_size) for size in times.fastest])
+    seconds = np.array(list(times.fastest.values()))
     slope, intercept = np.polyfit(ring, seconds, 1, w=1 / seconds)
     slope = max(slope, 1e-15)
     latency = intercept if intercept > 0 else float(seconds.min())
