@@ -159,6 +159,22 @@ class SpeculativeConfig:
 # ---- the engine's -----------------------------------------------------------------------------------------
 
 
+def capture_sizes(sizes, max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes that get a CUDA graph, ascending: vLLM's list (1, 2, 4, then every multiple of 8) up
+    to max_num_seqs, and max_num_seqs itself, so that every decode batch pads to one; or the sizes given, each in
+    [1, max_num_seqs] (a larger one could never be used)."""
+    if sizes is None:
+        sizes = [size for size in (1, 2, 4, *range(8, max_num_seqs, 8)) if size < max_num_seqs] + [max_num_seqs]
+    elif isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"cudagraph_capture_sizes must be a list of batch sizes or None, got {sizes!r}")
+    sizes = sorted({integer(f"cudagraph_capture_sizes (max_num_seqs {max_num_seqs})", size, low=1, high=max_num_seqs,
+                            argument="cudagraph_capture_sizes") for size in sizes})
+    if not sizes:
+        raise ValueError("cudagraph_capture_sizes must hold at least one batch size (enforce_eager=True captures "
+                         "none)")
+    return tuple(sizes)
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -177,6 +193,8 @@ class EngineConfig:
     enable_lora: bool = False                  # guide §16
     max_loras: int = 1
     max_lora_rank: int = 16
+    enforce_eager: bool | None = None          # None: CUDA graphs for decode on a GPU, none on a CPU (guide §11)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes given a graph; None: vLLM's list
     # What the model decides, set by for_model: the longest sequence, the vocabulary, the end-of-sequence tokens.
     max_model_len: int | None = None
     vocab_size: int | None = None
@@ -199,6 +217,9 @@ class EngineConfig:
         self.max_loras = integer("max_loras", self.max_loras, low=1, high=MAX_LORAS)
         self.max_lora_rank = integer("max_lora_rank", self.max_lora_rank, low=1, high=MAX_LORA_RANK)
         self.seed = integer("seed", self.seed)
+        if self.enforce_eager is not None:
+            flag("enforce_eager", self.enforce_eager)
+        self.cudagraph_capture_sizes = capture_sizes(self.cudagraph_capture_sizes, self.max_num_seqs)
         self.offload = OffloadConfig.from_args(self.preemption_mode, self.swap_space, self.kv_offloading_size,
                                                self.kv_offload_dir, self.enable_prefix_caching)
         self.speculative = None if self.speculative_config is None else \

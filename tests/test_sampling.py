@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from paged import LLM, SamplingParams
-from paged.engine.sampler import filter_logits, filter_params, sample
+from paged.engine.sampler import filter_logits, filter_params, inverse_cdf_tokens, sample
 from paged.model.loader import chat_prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,3 +131,26 @@ def test_min_p_reaches_the_engine(tiny_model):
     sampled = llm.generate(prompts, SamplingParams(temperature=2.0, min_p=1.0, max_tokens=8, ignore_eos=True, seed=3),
                            use_tqdm=False)
     assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in greedy]
+
+
+@pytest.mark.parametrize("vocab", [5, 1000, 49152])
+def test_unseeded_draws_follow_the_probabilities(vocab):
+    """inverse_cdf_tokens over many rows of one distribution, tokens grouped into bins of about equal probability
+    (each likely token a bin of its own): Pearson's chi-square over the bins under its 1e-6 quantile (a fixed seed,
+    so the check is exact; a wrong sampler is off by far more), and a token of probability zero never drawn, the first
+    and the last of the vocabulary among them."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(vocab, generator=generator) * 2
+    logits[0] = logits[-1] = logits[vocab // 2] = float("-inf")
+    probs = logits.softmax(-1)
+    rows = 40_000
+    tokens = inverse_cdf_tokens(probs.expand(rows, vocab), generator)
+    counts = torch.bincount(tokens, minlength=vocab).double()                     # [vocab]
+    assert counts[0] == counts[-1] == counts[vocab // 2] == 0
+    order = probs.argsort(descending=True)
+    bins = (probs[order].double().cumsum(0) * 20).ceil().clamp(max=20).long()      # [vocab]: bin 1..20 by mass
+    observed = torch.zeros(21, dtype=torch.float64).index_add_(0, bins, counts[order])[1:]
+    expected = torch.zeros(21, dtype=torch.float64).index_add_(0, bins, rows * probs[order].double())[1:]
+    used = expected > 0
+    chi_square = float(((observed[used] - expected[used]) ** 2 / expected[used]).sum())
+    assert chi_square < 63.7      # the chi-square distribution's 1 - 1e-6 quantile at 19 degrees of freedom

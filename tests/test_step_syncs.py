@@ -54,11 +54,12 @@ def four_layers():
     return tiny_llama(num_hidden_layers=4)
 
 
+@pytest.mark.parametrize("enforce_eager", [None, False])   # False: decodes padded as for a CUDA graph
 @pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
-def test_the_forward_pass_reads_nothing_back_from_the_device(four_layers, backend):
+def test_the_forward_pass_reads_nothing_back_from_the_device(four_layers, backend, enforce_eager):
     """Prefills, mixed steps and decodes over four layers: not one tensor becomes a Python number."""
     llm = make_tiny_llm(four_layers, attention_backend=backend, enable_chunked_prefill=True,
-                        max_num_batched_tokens=16, max_num_seqs=4)
+                        max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=enforce_eager)
     calls = record_forward_read_backs(llm)
     outputs = llm.generate(random_prompts(3, seed=1, high=20), GREEDY, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 4 for out in outputs)

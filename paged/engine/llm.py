@@ -63,7 +63,8 @@ class LLM:
                  speculative_config: dict | None = None, swap_space: float = 1.0,
                  kv_offloading_size: float | None = None, kv_offload_dir: str | None = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 config: EngineConfig | None = None, kv_connector=None, tensor_parallel_size: int = 1):
+                 config: EngineConfig | None = None, kv_connector=None, tensor_parallel_size: int = 1,
+                 enforce_eager: bool | None = None, cudagraph_capture_sizes: list[int] | None = None):
         """config: every engine setting at once (a disaggregation worker gets it so), in place of the keywords.
         kv_connector: a KVProducer or KVConsumer (kv_connector.py), as disaggregation's workers use."""
         if config is None:  # checks them all
@@ -74,7 +75,8 @@ class LLM:
                 seed=seed, preemption_mode=preemption_mode, swap_space=swap_space,
                 kv_offloading_size=kv_offloading_size, kv_offload_dir=kv_offload_dir,
                 speculative_config=speculative_config, enable_lora=enable_lora, max_loras=max_loras,
-                max_lora_rank=max_lora_rank)
+                max_lora_rank=max_lora_rank, enforce_eager=enforce_eager,
+                cudagraph_capture_sizes=cudagraph_capture_sizes)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(config.seed)
         backend = attention_backend or default_attention_backend(device)

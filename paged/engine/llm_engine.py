@@ -37,6 +37,21 @@ from paged.speculative import Speculator
 from paged.validation import ArgumentError, prompt_token_ids, real
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+    """The host's seconds in each part of one step (guide §11; benchmarks/host_time.py). On a CPU the forward pass
+    is the device work itself; on a GPU the host only launches it there, and sampling first waits for it to end."""
+    schedule: float   # drafts proposed, the scheduler's plan
+    prepare: float    # the step's inputs built, block copies made
+    forward: float    # the model's forward pass
+    sample: float     # sampling, verifying drafts, logprobs
+    finish: float     # the scheduler's update, the outputs (text, stop strings), the connector's saves
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.finish
+
+
 class LLMEngine:
     def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
                  clock=time.perf_counter, draft_model: PagedLlama | None = None,
@@ -78,6 +93,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.num_steps = 0
         self.last_schedule = None
+        self.last_step_times: StepTimes | None = None   # the last step's host seconds, part by part
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
         self.journal = StepJournal(self)  # the step's undo log (guide §11)
 
@@ -162,6 +178,7 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=value)
         self.scheduler.config = self.config
         self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
+        self.model_runner.config = self.config   # its input buffers grow on the first step that needs it
 
     def check_health(self) -> None:
         """A RuntimeError saying why, if the engine can no longer run a step (a tensor-parallel worker died)."""
@@ -188,6 +205,7 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len, self.generator)
         plan = self.last_schedule = self.scheduler.schedule()  # kept for timelines and widgets
@@ -197,7 +215,9 @@ class LLMEngine:
                                    "validated to fit the pool)")
             return []
         self.begin_forward(plan)
+        scheduled = time.perf_counter()
         output = self.model_runner.execute_model(plan, self.scheduler.running)
+        executed = time.perf_counter()
         finished = self.scheduler.update_from_output(plan, list(zip(output.seqs, output.sampled_token_ids)),
                                                      now=self.clock())
         stopped = self.output_processor.process_outputs(output)
@@ -208,9 +228,13 @@ class LLMEngine:
         self.scheduler.update_from_kv_xfer_finished(self.kv_connector.get_finished())
         self._release_drafts()
         finished = list(finished) + [seq for seq, _ in stopped]
-        return [self._finish_request(request) for request in {seq.request.request_id: seq.request
-                                                              for seq in finished}.values()
-                if request.is_finished]
+        outputs = [self._finish_request(request) for request in {seq.request.request_id: seq.request
+                                                                 for seq in finished}.values()
+                   if request.is_finished]
+        runner = self.model_runner
+        self.last_step_times = StepTimes(scheduled - started, runner.last_prepare_time, runner.last_forward_time,
+                                         runner.last_sample_time, time.perf_counter() - executed)
+        return outputs
 
     def begin_forward(self, plan) -> None:
         """What the engine records as a plan's forward pass begins (step, and each step of a beam search):

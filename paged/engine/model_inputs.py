@@ -12,10 +12,10 @@ here, each over its own block manager.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from paged.core.block_manager import BlockManager
 from paged.core.sequence import Sequence
+from paged.engine.input_buffers import PAD_SLOT_ID, InputBuffers
 from paged.model.llama import AttentionMetadata
 
 
@@ -30,10 +30,14 @@ class StepInputs:
     logits_indices: torch.Tensor      # int64 [num_rows]
     sampled: list[tuple[Sequence, int]]  # (sequence, its first row), in row order
     prompt_rows: list[tuple[Sequence, int, int]]  # (sequence, first row, count): rows predicting prompt tokens
+    padded_size: int | None = None    # rows of a padded decode batch (logits for each); None: not padded
 
 
-def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], device: torch.device) -> StepInputs:
-    """batch [(sequence, new tokens)] in the forward pass's order -> the step's inputs. A sequence's chunk runs
+def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], device: torch.device,
+                buffers: InputBuffers | None = None, pad_sizes: tuple[int, ...] = ()) -> StepInputs:
+    """batch [(sequence, new tokens)] in the forward pass's order -> the step's inputs, written into buffers when
+    given. A batch of decodes only (one token each, each sampling its next) is padded up to the smallest of
+    pad_sizes that holds it, if one does (engine/cuda_graphs.py). A sequence's chunk runs
     from its computed tokens on; one that reaches its last token (and its drafts) wants logits for each, and one
     whose request asks for prompt logprobs wants those of the positions before its last prompt token that it
     has not scored yet (a sequence recomputed after preemption has scored them all)."""
@@ -52,12 +56,19 @@ def step_inputs(block_manager: BlockManager, batch: list[tuple[Sequence, int]], 
         if end == len(tokens):
             sampled.append((seq, num_rows + num_logits - 1 - len(seq.spec_token_ids)))
         num_rows += num_logits
-    return StepInputs(*prepare_inputs(block_manager, chunks, device), sampled, prompt_rows)
+    padded_size = None
+    if chunks and all(end - start == 1 and num_logits == 1 for _, _, start, end, num_logits in chunks):
+        padded_size = next((size for size in pad_sizes if size >= len(chunks)), None)
+    return StepInputs(*prepare_inputs(block_manager, chunks, device, buffers, padded_size), sampled, prompt_rows,
+                      padded_size)
 
 
 def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int], int, int, int]],
-                   device: torch.device):
-    """Returns input_ids, positions int64 [num_tokens], AttentionMetadata, logits_indices int64 [num_logits]."""
+                   device: torch.device, buffers: InputBuffers | None = None, pad_decodes_to: int | None = None):
+    """Returns input_ids, positions int64 [num_tokens], AttentionMetadata, logits_indices int64 [num_logits]: views
+    of `buffers` (engine/input_buffers.py), or of tensors made for this step alone when none are given.
+    pad_decodes_to: a step of decodes only, padded with rows that write nothing up to that many sequences, every
+    row's logits wanted (a CUDA graph's batch size; the caller keeps the first rows' logits)."""
     input_ids, positions, slots, logits_indices = [], [], [], []
     tables, context_lens, query_lens = [], [], []
     for seq_id, token_ids, start, end, num_logits in chunks:
@@ -71,24 +82,21 @@ def prepare_inputs(block_manager: BlockManager, chunks: list[tuple[int, list[int
     num_decodes = sum(1 for n in query_lens if n == 1)
     if query_lens[:num_decodes] != [1] * num_decodes:
         raise ValueError(f"chunks must put single-token decodes first (query lengths {query_lens})")
-
-    def table_tensor(rows):  # int32 [len(rows), longest row], padded with block 0
-        width = max((len(r) for r in rows), default=0)
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
-
-    int32 = dict(dtype=torch.int32, device=device)
-    prefill_query_lens = torch.tensor(query_lens[num_decodes:], **int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_tokens=num_decodes,
-        decode_block_tables=table_tensor(tables[:num_decodes]),
-        decode_context_lens=torch.tensor(context_lens[:num_decodes], **int32),
-        prefill_block_tables=table_tensor(tables[num_decodes:]),
-        prefill_query_start_loc=F.pad(prefill_query_lens.cumsum(0), (1, 0)).to(torch.int32),
-        prefill_context_lens=torch.tensor(context_lens[num_decodes:], **int32),
-        decode_max_context_len=max(context_lens[:num_decodes], default=0),
-        prefill_max_query_len=max(query_lens[num_decodes:], default=0),
-        prefill_max_context_len=max(context_lens[num_decodes:], default=0))
-    return (torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta, torch.tensor(logits_indices, dtype=torch.int64, device=device))
+    num_pad = 0
+    if pad_decodes_to is not None:
+        if num_decodes != len(chunks) or not num_decodes <= pad_decodes_to:
+            raise ValueError(f"pad_decodes_to ({pad_decodes_to}) pads a step of at most that many decodes only "
+                             f"(query lengths {query_lens})")
+        num_pad = pad_decodes_to - num_decodes
+        input_ids += [0] * num_pad
+        positions += [0] * num_pad
+        slots += [PAD_SLOT_ID] * num_pad
+        tables += [[0]] * num_pad
+        context_lens += [1] * num_pad
+        query_lens += [1] * num_pad
+        logits_indices = list(range(pad_decodes_to))
+        num_decodes = pad_decodes_to
+    if buffers is None:
+        buffers = InputBuffers(len(input_ids), len(tables), max((len(row) for row in tables), default=0), device)
+    return buffers.fill(input_ids, positions, slots, logits_indices, tables, context_lens, query_lens, num_decodes,
+                        num_pad)

@@ -3,8 +3,9 @@
 
     output = model_runner.execute_model(scheduler_output)   # inputs -> block copies -> forward -> sample -> logprobs
 
-The runner owns the model and its KV pool (and the offload tiers that copy blocks in and out of it). From the
-scheduler's plan it builds the step's inputs (`model_inputs.step_inputs`), makes the block copies the plan names
+The runner owns the model and its KV pool (and the offload tiers that copy blocks in and out of it), and the tensors
+each step's inputs are written into (`input_buffers.py`). From the scheduler's plan it builds the step's inputs
+(`model_inputs.step_inputs`; a decode batch padded for a CUDA graph, `cuda_graphs.py`), makes the block copies the plan names
 (swap, copy-on-write, tier loads), runs the forward pass (on every tensor-parallel rank at once when an executor is
 given), samples each due sequence's next token (`sampler.sample`), or verifies its drafts (`speculative.py`), and
 scores the rows that ask for logprobs. It changes no sequence: the scheduler's update appends what it returns, and
@@ -20,11 +21,15 @@ import torch
 from paged.config import EngineConfig
 from paged.core.block_manager import BlockManager
 from paged.core.sequence import Request, Sequence
+from paged.engine.cuda_graphs import DecodeGraphs
+from paged.engine.input_buffers import InputBuffers
 from paged.engine.kv_cache import KVCache
 from paged.engine.model_inputs import step_inputs
 from paged.engine.multiproc_executor import Worker
 from paged.engine.sampler import sample, token_logprobs
+from paged.geometry import cdiv
 from paged.kv_connector import KVConnector
+from paged.model import llama
 from paged.model.llama import PagedLlama
 from paged.offload import build_tiers
 from paged.sampling_params import Logprob
@@ -54,21 +59,44 @@ class ModelRunner:
         self.swap_space, self.prefix_tier = build_tiers(config.offload, block_manager, self.kv_cache)  # guide §15
         self.kv_connector, self.lora, self.speculator, self.executor = kv_connector, lora, speculator, executor
         self.kv_written = False  # within a step: K/V tensors have been written (the step journal reads it)
-        self.last_forward_time = 0.0  # seconds the last step spent in the model's forward pass (host time)
+        # the host's seconds in the last step's parts (a GPU may still be computing when the forward pass returns;
+        # sampling then waits for it): building the inputs and making the block copies, the forward pass, sampling
+        self.last_prepare_time = self.last_forward_time = self.last_sample_time = 0.0
         if executor is not None:
             executor.local_worker = Worker(executor.group, model, self.kv_cache)
             executor.initialize_cache(block_manager.num_blocks, config.block_size)
+        self.config = config
+        self.buffers = self.decode_graphs = None
+        self.make_buffers(config.max_num_batched_tokens, config.max_num_seqs,
+                          cdiv(config.max_model_len, config.block_size) + 1)
+
+    def make_buffers(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """The step's input buffers, and the decode graphs over them: captured on a GPU unless enforce_eager; on
+        a CPU only with enforce_eager=False, and then run eagerly at their padded sizes. Adapters and tensor
+        parallelism run every step eagerly (their inputs are not in the buffers)."""
+        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, self.device)
+        on_gpu = self.device.type == "cuda"
+        eager = self.config.enforce_eager if self.config.enforce_eager is not None else not on_gpu
+        if eager or self.lora is not None or self.executor is not None:
+            return
+        # the kernels that read every length on the GPU; the debug checks read the tables back, which no graph can
+        capture = on_gpu and self.model.backend.name == "triton" and not llama.CHECK_KERNELS
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.buffers, self.config.cudagraph_capture_sizes,
+                                          self.config.max_model_len, capture)
 
     def execute_model(self, plan, running: list[Sequence]) -> ModelRunnerOutput:
         """Run the plan's forward pass, sample each due sequence (a fork samples from its parent's row), and score
         the logprobs asked for. running: the scheduler's running sequences, whose adapters stay resident. Changes
         no sequence, only the generators' states."""
         logits, sampled, prompt_rows = self.forward(plan, running)                       # logits [rows, vocab]
+        started = time.perf_counter()
         row_of = {seq.seq_id: row for seq, row in sampled}
         sampled += [(child, row_of[parent.seq_id]) for parent, child in plan.forks]
         tokens = self.sample(sampled, logits)
-        return ModelRunnerOutput([seq for seq, _ in sampled], tokens, self.logprobs(sampled, tokens, logits),
-                                 self.prompt_logprobs(prompt_rows, logits))
+        output = ModelRunnerOutput([seq for seq, _ in sampled], tokens, self.logprobs(sampled, tokens, logits),
+                                   self.prompt_logprobs(prompt_rows, logits))
+        self.last_sample_time = time.perf_counter() - started
+        return output
 
     def forward(self, plan, running: list[Sequence]) -> tuple[torch.Tensor, list[tuple[Sequence, int]],
                                                                list[tuple[Sequence, int, int]]]:
@@ -76,19 +104,32 @@ class ModelRunner:
         next token is due, each with its first row (one row, or 1 + k to verify k drafts), in row order, and the
         rows that predict prompt tokens for prompt logprobs (StepInputs.prompt_rows); execute_model samples from
         them, beam search searches them. Changes no sequence."""
+        started = time.perf_counter()
         lora_batch = None
         if self.lora is not None:  # the adapters of plan.batch made resident (guide §16)
             _, lora_batch = self.lora.prepare_step(plan.batch, running)
-        inputs = step_inputs(self.block_manager, plan.batch, self.device)
+        num_tokens = sum(num_new for _, num_new in plan.batch)
+        longest = max(len(self.block_manager.block_tables[seq.seq_id]) for seq, _ in plan.batch)
+        if not self.buffers.fits(num_tokens, len(plan.batch), longest):  # a larger token budget than at the start
+            self.make_buffers(max(num_tokens, self.config.max_num_batched_tokens),
+                              max(len(plan.batch), self.config.max_num_seqs),
+                              max(longest, self.buffers.block_tables.shape[1]))
+        pad_sizes = () if self.decode_graphs is None else self.decode_graphs.sizes
+        inputs = step_inputs(self.block_manager, plan.batch, self.device, self.buffers, pad_sizes)
         self.kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
         with contextlib.nullcontext() if self.executor is None else \
                 self.executor.execute_model(inputs, plan.blocks_to_copy):   # the other ranks run the same step
             self.apply_copies(plan)
             self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
-            started = time.perf_counter()
-            logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
-                                        inputs.logits_indices, lora=lora_batch)
-            self.last_forward_time = time.perf_counter() - started
+            forward_started = time.perf_counter()
+            self.last_prepare_time = forward_started - started
+            if inputs.padded_size is None:
+                logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
+                                            inputs.logits_indices, lora=lora_batch)
+            else:   # a decode batch padded to a captured size: its real rows' logits
+                logits = self.decode_graphs.run(inputs.padded_size, inputs.input_ids, inputs.positions, inputs.meta,
+                                                inputs.logits_indices)[:len(plan.batch)]
+            self.last_forward_time = time.perf_counter() - forward_started
         if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
             self.prefix_tier.store(plan.cached_blocks)
         return logits, inputs.sampled, inputs.prompt_rows

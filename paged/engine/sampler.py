@@ -120,10 +120,24 @@ def seeded_token(probs: torch.Tensor, noise: torch.Tensor) -> int:
     return int((probs / noise).argmax())
 
 
+def inverse_cdf_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row, drawn from its probabilities: a uniform number per row, found among the row's cumulative
+    probabilities (the first token whose running total passes it; a token of probability zero never does).
+
+    The same distribution as torch.multinomial(probs, 1), from one random number a row instead of one a token: on a
+    CPU, drawing a random number for each of 49,152 tokens of 64 rows takes tens of milliseconds, more than the rest
+    of the sampler. probs [rows, vocab] -> int64 [rows]."""
+    totals = probs.cumsum(dim=-1)                                                  # [rows, vocab]
+    total = totals[:, -1:]                                                         # [rows, 1]
+    uniform = torch.rand(total.shape, generator=generator, device=probs.device) * total
+    uniform = torch.minimum(uniform, torch.nextafter(total, torch.zeros_like(total)))  # below the total, always
+    return torch.searchsorted(totals, uniform, right=True)[:, 0]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> list[int]:
     """logits [rows, vocab] fp32, one row per sequence; returns one token id per row. Unseeded rows share
-    default_generator in one multinomial draw; a seeded row draws its position's noise from its own generator."""
+    default_generator in one inverse-CDF draw; a seeded row draws its position's noise from its own generator."""
     tokens = greedy_tokens(logits)                                              # [rows]; right for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -132,8 +146,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                                                             logits.device))
         shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
         if shared:
-            picked = torch.multinomial(probs[shared], 1, generator=default_generator)[:, 0]
-            tokens[rows[shared]] = picked
+            tokens[rows[shared]] = inverse_cdf_tokens(probs[shared], default_generator)
         for j, i in enumerate(random_rows):
             if generators[i] is not None:
                 tokens[i] = seeded_token(probs[j], exponential_noise(probs[j], generators[i]))

@@ -47,6 +47,8 @@ class AttentionMetadata:
     decode_max_context_len: int              # max(decode_context_lens), 0 without decodes
     prefill_max_query_len: int               # the longest prefill chunk, 0 without prefills
     prefill_max_context_len: int             # max(prefill_context_lens), 0 without prefills
+    num_pad_tokens: int = 0                  # the last decodes are padding, whose K/V are not written (their slots
+                                             # are -1 too, which a captured CUDA graph's write skips)
     checked: bool = field(default=False, repr=False)  # set once the debug checks have passed
 
     def check(self, q, k, v, key_cache, value_cache) -> None:
@@ -54,8 +56,10 @@ class AttentionMetadata:
         naming the argument otherwise. Reads the tables back from the device (hence only under CHECK_KERNELS)."""
         from paged.kernels.checks import check_cache_write, check_decode, check_prefill
         check_cache_write(k, v, key_cache, value_cache, self.slot_mapping)
-        if (self.slot_mapping < 0).any():
-            raise ValueError("slot_mapping holds -1, but the engine's steps write every token they compute")
+        num_real = self.slot_mapping.shape[0] - self.num_pad_tokens
+        if (self.slot_mapping[:num_real] < 0).any():
+            raise ValueError("slot_mapping holds -1 outside the padding rows, but the engine's steps write every "
+                             "token they compute")
         num_decode = self.num_decode_tokens
         found = {}
         if num_decode:
@@ -194,7 +198,11 @@ class PagedLlama:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
         if CHECK_KERNELS and not meta.checked:  # every layer shares the step's tables: the first layer checks them
             meta.check(q, k, v, key_cache, value_cache)
-        self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        if meta.num_pad_tokens:   # padding rows attend, but write nothing
+            num_real = q.shape[0] - meta.num_pad_tokens
+            self.backend.write_kv(k[:num_real], v[:num_real], key_cache, value_cache, meta.slot_mapping[:num_real])
+        else:
+            self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return self.backend.decode(q, key_cache, value_cache, meta.decode_block_tables,
