@@ -4,7 +4,9 @@
 #      their tensors there and compile the kernels; nothing needs setting);
 #   2. benchmarks/kernel_bench.py, on a grid cut to fit the time (KERNEL_BENCH_ARGS replaces it);
 #   3. benchmarks/gpu_engine_check.py: the engine against transformers on random-weight SmolLM2-, Llama-3-8B- and
-#      Qwen3-shaped models in bf16 with the Triton backend, and decode tok/s at a few batch sizes;
+#      Qwen3-shaped models in bf16 with the Triton backend (prompts of 512 tokens), decode tok/s at batch 1, 16 and 64,
+#      and with CUDA graphs against enforce_eager=True: the same greedy tokens, each decode step's host parts, and the
+#      step against its memory floor;
 #   4. benchmarks/tp_check.py: tensor_parallel_size=2 against 1 (greedy tokens in fp32, decode tok/s in bf16) where
 #      the machine has two CUDA devices; skipped, saying so, where it has one.
 # Every figure is printed; the benchmark's table and plot go to $OUT (or benchmarks/results).
@@ -59,7 +61,7 @@ fi
 "$PY" benchmarks/kernel_bench.py "${bench_args[@]}" --out "$RESULTS" || status=1
 
 section "3. the engine against transformers"
-if [[ $DRY == 1 ]]; then engine_args=(--dry); else engine_args=(); fi
+if [[ $DRY == 1 ]]; then engine_args=(--dry); else engine_args=(--prompt-len 512 --batch-sizes 1,16,64); fi
 "$PY" benchmarks/gpu_engine_check.py "${engine_args[@]}" || status=1
 
 section "4. tensor parallelism"

@@ -12,7 +12,10 @@ then
   - whether the forward pass waits for the GPU: a prefill and a decode step run under
     torch.cuda.set_sync_debug_mode("error");
   - decode throughput at a few batch sizes: the time of `max_tokens` tokens minus that of one (the prefill),
-    per decoded token.
+    per decoded token;
+  - the same with enforce_eager=True (no CUDA graphs): its greedy tokens against the graphs', token for token, and
+    for both, a decode step's parts as the engine times them (benchmarks/host_time.py) against the memory floor: the
+    step's bytes (weights, LM head, K/V) read once at the rate this GPU reads memory.
 
     python benchmarks/gpu_engine_check.py                      # every architecture below (needs CUDA)
     python benchmarks/gpu_engine_check.py --archs smollm2-135m --batch-sizes 1,32
@@ -92,6 +95,17 @@ def hf_greedy(model, prompt: list[int], new_tokens: int):
     return ids[0, len(prompt):].tolist(), torch.stack(logits)
 
 
+def engine_tokens(llm, args, vocab) -> list[list[int]]:
+    """The engine's greedy tokens for a batch of random prompts of several lengths (decode batches of every size)."""
+    from paged import SamplingParams
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, vocab, (args.prompt_len // (1 + i % 3),), generator=generator).tolist()
+               for i in range(max(args.batch_sizes))]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % args.new_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def compare(model, llm, args, vocab):
     from paged import SamplingParams
     generator = torch.Generator().manual_seed(1)
@@ -149,6 +163,17 @@ def timed_generate(llm, prompts, max_tokens, device) -> float:
     return time.perf_counter() - start
 
 
+def step_parts(llm, args, bandwidth):
+    """A decode step's host parts and its memory floor at each batch size (benchmarks/host_time.py)."""
+    from paged.analysis.host_time import PARTS, decode_step_times
+    for batch in args.batch_sizes:
+        r = decode_step_times(llm.engine, batch, args.prompt_len, 10)
+        floor = r["bytes"] / bandwidth
+        print(f"    batch {batch:4d}: step {r['step_s'] * 1e3:7.2f} ms (" + ", ".join(
+            f"{part} {r[part + '_s'] * 1e3:.2f}" for part in PARTS) + f"); memory floor {floor * 1e3:.2f} ms = "
+            f"{floor / r['step_s']:.0%} of the step")
+
+
 def throughput(llm, args, vocab, device):
     print(f"  decode throughput (prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
           f"time of {args.new_tokens} tokens minus time of 1, per decoded token):")
@@ -170,8 +195,11 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.dry else torch.bfloat16     # the interpreter has no bf16 dot
     from paged import LLM
+    from paged.analysis.parallel_cost import measure_read_bandwidth
+    bandwidth = measure_read_bandwidth(device=device)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (Triton interpreter)'}, "
-          f"torch {torch.__version__}, dtype {dtype}, attention_backend 'triton'")
+          f"torch {torch.__version__}, dtype {dtype}, attention_backend 'triton'; memory read at "
+          f"{bandwidth / 1e9:.0f} GB/s")
     for name in args.archs:
         start = time.perf_counter()
         model = build_model(name, device, dtype)
@@ -182,14 +210,24 @@ def main(argv=None):
         longest = max(args.batch_sizes + [args.prompts])
         block_size = 16
         blocks_per_seq = -(-(args.prompt_len + args.new_tokens) // block_size)
-        llm = LLM(model=model, device=device, dtype=dtype, attention_backend="triton", block_size=block_size,
-                  num_blocks=longest * blocks_per_seq + 8, max_num_seqs=longest,
-                  max_num_batched_tokens=max(2048, longest * args.prompt_len))
-        compare(model, llm, args, config.vocab_size)
-        print(f"  host syncs inside the forward pass: {forward_syncs(llm, args.prompt_len)}")
-        throughput(llm, args, config.vocab_size, device)
+        tokens = {}
+        for mode in ("graphs", "eager"):
+            llm = LLM(model=model, device=device, dtype=dtype, attention_backend="triton", block_size=block_size,
+                      num_blocks=longest * blocks_per_seq + 8, max_num_seqs=longest,
+                      max_num_batched_tokens=max(2048, longest * args.prompt_len), enforce_eager=mode == "eager")
+            captured = llm.engine.model_runner.decode_graphs is not None and llm.engine.model_runner.decode_graphs.graphs
+            print(f"  -- {mode}: decode CUDA graphs {'captured' if captured else 'not captured'}")
+            if mode == "graphs":
+                compare(model, llm, args, config.vocab_size)
+                print(f"  host syncs inside the forward pass: {forward_syncs(llm, args.prompt_len)}")
+            tokens[mode] = engine_tokens(llm, args, config.vocab_size)
+            throughput(llm, args, config.vocab_size, device)
+            step_parts(llm, args, bandwidth)
+            del llm
+        same = sum(a == b for a, b in zip(tokens["graphs"], tokens["eager"]))
+        print(f"  greedy tokens with graphs = eager: {same} of {len(tokens['eager'])} prompts")
         print(f"  ({time.perf_counter() - start:.0f} s for {name})")
-        del llm, model
+        del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -383,17 +383,28 @@ def fit_all_reduce(times: AllReduceTimes) -> tuple[float, float]:
     return float(latency), float(1 / slope)
 
 
-def measure_read_bandwidth(num_bytes: int = 256 * 2 ** 20, repeats: int = 5) -> float:
-    """Bytes per second torch reads a num_bytes fp32 tensor at (a sum), with the threads torch is allowed: the
-    memory bandwidth a CPU rank's weight read sees. The median of `repeats` after a warm-up."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)                       # [num_bytes / 4]
-    data.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return num_bytes / statistics.median(times)
+def measure_read_bandwidth(num_bytes: int = 256 * 2 ** 20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes per second `device` reads memory at, with the threads torch is allowed on a CPU: the memory bandwidth a
+    rank's weight read sees. The fastest of three ways of reading num_bytes of fp32, each the median of `repeats`
+    after a warm-up: a sum, a matrix-vector product (the BLAS a matmul uses) and a copy (which reads and writes
+    num_bytes). How close each comes to the memory's rate depends on the vector instructions torch and the BLAS
+    use, so no one of them is the rate everywhere."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)        # [num_bytes / 4]
+    matrix, vector = data.view(1024, -1), torch.ones(num_bytes // 4 // 1024, device=device)  # [1024, n], [n]
+    copy = torch.empty_like(data)
+    reads = [(num_bytes, lambda: data.sum().item()),                              # .item(): the read has ended
+             (num_bytes, lambda: torch.mv(matrix, vector)[0].item()),
+             (2 * num_bytes, lambda: copy.copy_(data)[0].item())]                 # bytes moved, how
+    rates = []
+    for moved, read in reads:
+        read()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - start)
+        rates.append(moved / statistics.median(times))
+    return max(rates)
 
 
 def launch_env(nnodes: int, nproc_per_node: int, master_addr: str, master_port: int = 29500) -> list[dict]:

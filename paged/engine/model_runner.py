@@ -5,8 +5,8 @@
 
 The runner owns the model and its KV pool (and the offload tiers that copy blocks in and out of it), and the tensors
 each step's inputs are written into (`input_buffers.py`). From the scheduler's plan it builds the step's inputs
-(`model_inputs.step_inputs`; a decode batch padded for a CUDA graph, `cuda_graphs.py`), makes the block copies the plan names
-(swap, copy-on-write, tier loads), runs the forward pass (on every tensor-parallel rank at once when an executor is
+(`model_inputs.step_inputs`; a decode batch padded for a CUDA graph, `cuda_graphs.py`), makes the block copies the
+plan names (swap, copy-on-write, tier loads), runs the forward pass (on every tensor-parallel rank at once when an executor is
 given), samples each due sequence's next token (`sampler.sample`), or verifies its drafts (`speculative.py`), and
 scores the rows that ask for logprobs. It changes no sequence: the scheduler's update appends what it returns, and
 the output processor (`output_processor.py`) turns that into text.
@@ -72,8 +72,9 @@ class ModelRunner:
 
     def make_buffers(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """The step's input buffers, and the decode graphs over them: captured on a GPU unless enforce_eager; on
-        a CPU only with enforce_eager=False, and then run eagerly at their padded sizes. Adapters and tensor
-        parallelism run every step eagerly (their inputs are not in the buffers)."""
+        a CPU only with enforce_eager=False, and then run eagerly at their padded sizes. An engine with adapters
+        or tensor-parallel ranks runs every step eagerly: an adapter's rows change with each step's batch, and the
+        other ranks run their forward passes eagerly."""
         self.buffers = InputBuffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, self.device)
         on_gpu = self.device.type == "cuda"
         eager = self.config.enforce_eager if self.config.enforce_eager is not None else not on_gpu

@@ -199,8 +199,8 @@ class MultiprocExecutor:
         """Send the step to every worker; inside, rank 0 makes its copies and runs its forward pass. Anything
         raised before rank 0's forward pass ends leaves the ranks out of step: the executor fails."""
         self._send(("call", "execute_model", ({
-            "input_ids": inputs.input_ids.cpu(), "positions": inputs.positions.cpu(),
-            "logits_indices": inputs.logits_indices.cpu(), "blocks_to_copy": list(blocks_to_copy),
+            "input_ids": on_cpu(inputs.input_ids), "positions": on_cpu(inputs.positions),
+            "logits_indices": on_cpu(inputs.logits_indices), "blocks_to_copy": list(blocks_to_copy),
             "meta": meta_on_cpu(inputs.meta)},)))
         try:
             yield
@@ -257,9 +257,15 @@ def close(health: Health, processes: list) -> None:
             process.join()
 
 
+def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on the CPU that owns just its elements: a view of the runner's input buffers would pickle all of
+    them."""
+    return tensor.cpu().clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
 def meta_on_cpu(meta):
     """A copy of AttentionMetadata with its tensors on the CPU, for pickling to the other ranks."""
     import copy
     meta = copy.copy(meta)
-    meta.__dict__.update({name: value.cpu() for name, value in vars(meta).items() if isinstance(value, torch.Tensor)})
+    meta.__dict__.update({name: on_cpu(value) for name, value in vars(meta).items() if isinstance(value, torch.Tensor)})
     return meta

@@ -17,6 +17,7 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch10_offload                   §15     the memory tiers, blocks moving out and back, swap-or-recompute
     ch10_disaggregation            §15     the prefill-to-decode handoff block by block, decode gaps
     ch11_multi_lora                §16     the low-rank update, adapter indices per token, slots, memory, styles
+    ch12_reading_vllm              §7, §11 a decode step's parts against its memory floor
     ch13_serving                   §13     a streamed answer timed by the engine and the client, its tokens'
                                            log-probabilities, a server under load, its steps by scheduling
                                            policy, two servers against the request rate
@@ -123,6 +124,7 @@ from paged.viz.ch11_multi_lora import (
                                      slot_snapshot_html,
                                      token_indices_html,
 )
+from paged.viz.ch12_reading_vllm import plot_step_parts, step_part_bars
 from paged.viz.ch13_serving import (
                                      plot_load,
                                      plot_servers_by_rate,
