@@ -47,8 +47,8 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     largest = max(args.batches)
-    llm = LLM(model="smollm2", device=device, dtype=dtype, num_blocks=largest * (-(-(args.prompt_len + args.steps + 8)
-                                                                                   // 16)) + 8,
+    blocks_per_seq = -(-(args.prompt_len + args.steps + 2 + largest) // 16)      # decode_step_times' max_tokens
+    llm = LLM(model="smollm2", device=device, dtype=dtype, num_blocks=largest * blocks_per_seq + 8,
               max_num_seqs=largest, max_num_batched_tokens=max(2048, largest))
     bandwidth = measure_read_bandwidth(device=device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else (platform.processor() or platform.machine())

@@ -34,7 +34,8 @@ def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     the bytes the middle step reads ("bytes"). The requests are aborted afterwards."""
     if engine.has_unfinished_requests():
         raise ValueError("decode_step_times needs an idle engine: it times steps of its own batch alone")
-    params = SamplingParams(temperature=temperature, max_tokens=steps + 2, ignore_eos=True)
+    # a prompt admitted early decodes while later ones are still computed: up to one token per prompt-filled step
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 2 + batch, ignore_eos=True)
     vocab = engine.model.vocab_size
     ids = [engine.add_request(engine.make_request([(31 * b + 7 * t) % (vocab - 1) + 1 for t in range(prompt_len)],
                                                   params))
