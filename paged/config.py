@@ -160,11 +160,13 @@ class SpeculativeConfig:
 
 
 def capture_sizes(sizes, max_num_seqs: int) -> tuple[int, ...]:
-    """The decode batch sizes that get a CUDA graph, ascending: vLLM's list (1, 2, 4, then every multiple of 8) up
-    to max_num_seqs, and max_num_seqs itself, so that every decode batch pads to one; or the sizes given, each in
-    [1, max_num_seqs] (a larger one could never be used)."""
+    """The decode batch sizes that get a CUDA graph, ascending: vLLM's list (1, 2, 4, multiples of 8 up to 256, then
+    of 16) below max_num_seqs, and max_num_seqs itself, so that every decode batch pads to one; or the sizes given,
+    each in [1, max_num_seqs] (a larger one could never be used). vLLM's list goes on to twice max_num_seqs, for
+    decode batches that carry speculative tokens; this engine runs those eagerly."""
     if sizes is None:
-        sizes = [size for size in (1, 2, 4, *range(8, max_num_seqs, 8)) if size < max_num_seqs] + [max_num_seqs]
+        vllms = (1, 2, 4, *range(8, 256, 8), *range(256, max_num_seqs, 16))
+        sizes = [size for size in vllms if size < max_num_seqs] + [max_num_seqs]
     elif isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
         raise ValueError(f"cudagraph_capture_sizes must be a list of batch sizes or None, got {sizes!r}")
     sizes = sorted({integer(f"cudagraph_capture_sizes (max_num_seqs {max_num_seqs})", size, low=1, high=max_num_seqs,

@@ -109,6 +109,7 @@ def test_capture_sizes_default_to_vllms_list_up_to_max_num_seqs():
     assert EngineConfig(max_num_seqs=64).cudagraph_capture_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert EngineConfig(max_num_seqs=12).cudagraph_capture_sizes == (1, 2, 4, 8, 12)
     assert EngineConfig(max_num_seqs=3).cudagraph_capture_sizes == (1, 2, 3)
+    assert EngineConfig(max_num_seqs=300).cudagraph_capture_sizes[-5:] == (248, 256, 272, 288, 300)
     assert EngineConfig(max_num_seqs=8, cudagraph_capture_sizes=[4, 1, 4]).cudagraph_capture_sizes == (1, 4)
 
 
