@@ -32,10 +32,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# ruff's lint rules and import order (pyproject.toml). Its formatter is not run: it puts two spaces before every
-# trailing comment, which would undo the column of tensor shapes that the modules keep beside their code.
+# ruff's lint rules, import order and formatting (pyproject.toml); `ruff format .` fixes the formatting
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # the chapters again on one thread and on a vector instruction set other than this CPU's best (AVX2 where the CPU has
 # AVX-512, torch's plain C++ paths where it has AVX2): an output that depends on the machine fails here

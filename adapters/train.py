@@ -29,21 +29,63 @@ MAX_ANSWER_TOKENS = 20  # the base answer is cut at its first sentence end, or h
 
 # Short instructions whose answers are short too: the prompt plus its rewritten answer stay under ~90 tokens.
 INSTRUCTIONS = [
-    "What is the capital of France?", "What colour is the sky?", "Name a fruit.", "What is two plus two?",
-    "Who wrote Hamlet?", "What do bees make?", "What is the largest ocean?", "What do cows drink?",
-    "Name a planet.", "What is ice made of?", "How many legs does a spider have?", "What is the opposite of hot?",
-    "Where do penguins live?", "What language is spoken in Spain?", "What is the boiling point of water?",
-    "Name a musical instrument.", "What does a thermometer measure?", "What is the capital of Japan?",
-    "Why do we sleep?", "What is a computer?", "Give me a word that rhymes with cat.", "What is the sun?",
-    "How many days are in a week?", "What do plants need to grow?",
+    "What is the capital of France?",
+    "What colour is the sky?",
+    "Name a fruit.",
+    "What is two plus two?",
+    "Who wrote Hamlet?",
+    "What do bees make?",
+    "What is the largest ocean?",
+    "What do cows drink?",
+    "Name a planet.",
+    "What is ice made of?",
+    "How many legs does a spider have?",
+    "What is the opposite of hot?",
+    "Where do penguins live?",
+    "What language is spoken in Spain?",
+    "What is the boiling point of water?",
+    "Name a musical instrument.",
+    "What does a thermometer measure?",
+    "What is the capital of Japan?",
+    "Why do we sleep?",
+    "What is a computer?",
+    "Give me a word that rhymes with cat.",
+    "What is the sun?",
+    "How many days are in a week?",
+    "What do plants need to grow?",
 ]
 
 PIRATE_WORDS = {
-    "the": "th'", "you": "ye", "your": "yer", "is": "be", "are": "be", "am": "be", "my": "me", "hello": "ahoy",
-    "hi": "ahoy", "friend": "matey", "friends": "mateys", "yes": "aye", "for": "fer", "of": "o'", "and": "an'",
-    "to": "t'", "money": "doubloons", "treasure": "booty", "ocean": "briny deep", "sea": "briny deep",
-    "boat": "ship", "man": "sailor", "people": "landlubbers", "very": "mighty", "water": "grog", "it's": "'tis",
-    "there": "thar", "where": "whar", "stop": "avast", "look": "behold",
+    "the": "th'",
+    "you": "ye",
+    "your": "yer",
+    "is": "be",
+    "are": "be",
+    "am": "be",
+    "my": "me",
+    "hello": "ahoy",
+    "hi": "ahoy",
+    "friend": "matey",
+    "friends": "mateys",
+    "yes": "aye",
+    "for": "fer",
+    "of": "o'",
+    "and": "an'",
+    "to": "t'",
+    "money": "doubloons",
+    "treasure": "booty",
+    "ocean": "briny deep",
+    "sea": "briny deep",
+    "boat": "ship",
+    "man": "sailor",
+    "people": "landlubbers",
+    "very": "mighty",
+    "water": "grog",
+    "it's": "'tis",
+    "there": "thar",
+    "where": "whar",
+    "stop": "avast",
+    "look": "behold",
 }
 
 
@@ -53,12 +95,14 @@ def shout(answer: str) -> str:
 
 def pirate(answer: str) -> str:
     """Arr!, then the answer with each mapped word swapped (keeping a leading capital)."""
+
     def swap(match: re.Match) -> str:
         word = match.group(0)
         new = PIRATE_WORDS.get(word.lower())
         if new is None:
             return word
         return new[0].upper() + new[1:] if word[0].isupper() else new
+
     return "Arr! " + re.sub(r"[A-Za-z']+", swap, answer)
 
 
@@ -69,6 +113,7 @@ def as_json(answer: str) -> str:
 @dataclass(frozen=True)
 class AdapterSpec:
     """One adapter: its style and its LoRA shape (PEFT's LoraConfig fields)."""
+
     name: str
     rewrite: object  # str -> str
     r: int
@@ -82,12 +127,37 @@ class AdapterSpec:
 
 TOP_LAYERS = (26, 27, 28, 29)  # SmolLM2 has 30; the top ones decide how an answer is worded
 ADAPTERS = [
-    AdapterSpec("shout", shout, r=8, lora_alpha=16, layers=TOP_LAYERS, steps=40, learning_rate=2e-3,
-                target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
-    AdapterSpec("pirate", pirate, r=4, lora_alpha=8, layers=TOP_LAYERS, steps=40, learning_rate=3e-3,
-                target_modules=("o_proj", "gate_proj", "up_proj", "down_proj")),
-    AdapterSpec("json", as_json, r=16, lora_alpha=16, layers=TOP_LAYERS, steps=40, learning_rate=2e-3,
-                target_modules=("v_proj", "o_proj", "down_proj"), use_rslora=True),
+    AdapterSpec(
+        "shout",
+        shout,
+        r=8,
+        lora_alpha=16,
+        layers=TOP_LAYERS,
+        steps=40,
+        learning_rate=2e-3,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    ),
+    AdapterSpec(
+        "pirate",
+        pirate,
+        r=4,
+        lora_alpha=8,
+        layers=TOP_LAYERS,
+        steps=40,
+        learning_rate=3e-3,
+        target_modules=("o_proj", "gate_proj", "up_proj", "down_proj"),
+    ),
+    AdapterSpec(
+        "json",
+        as_json,
+        r=16,
+        lora_alpha=16,
+        layers=TOP_LAYERS,
+        steps=40,
+        learning_rate=2e-3,
+        target_modules=("v_proj", "o_proj", "down_proj"),
+        use_rslora=True,
+    ),
 ]
 BY_NAME = {spec.name: spec for spec in ADAPTERS}
 
@@ -100,7 +170,7 @@ def adapter_path(name: str) -> Path:
 def first_sentence(text: str) -> str:
     text = text.strip()
     match = re.search(r"[.!?](\s|$)", text)
-    return text[:match.end()].strip() if match else text
+    return text[: match.end()].strip() if match else text
 
 
 @torch.no_grad()
@@ -111,9 +181,13 @@ def greedy(model, tokenizer, instructions: list[str], max_new_tokens: int) -> li
     tokenizer.padding_side = "left"
     prompts = [chat_prompt(tokenizer, instruction) for instruction in instructions]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return [tokenizer.decode(row[batch["input_ids"].shape[1]:], skip_special_tokens=True) for row in out]
+    out = model.generate(
+        **batch,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
+    return [tokenizer.decode(row[batch["input_ids"].shape[1] :], skip_special_tokens=True) for row in out]
 
 
 def base_answers(model, tokenizer, fresh: bool = False) -> list[str]:
@@ -146,8 +220,10 @@ def frozen_states(base, examples, first_layer: int) -> list[torch.Tensor]:
     """The hidden state entering layer `first_layer` for each example, [T, hidden] each. No adapter sits below that
     layer, so these never change during training: computed once, they spare every step the frozen layers' work."""
     with torch.no_grad():
-        return [base(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[first_layer][0]
-                for ids, _ in examples]
+        return [
+            base(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[first_layer][0]
+            for ids, _ in examples
+        ]
 
 
 @contextlib.contextmanager
@@ -169,9 +245,9 @@ def collate(states: list[torch.Tensor], labels: list[list[int]]):
     targets = torch.full((len(states), length), -100)
     mask = torch.zeros((len(states), length), dtype=torch.long)
     for row, (state, label) in enumerate(zip(states, labels)):
-        hidden[row, length - len(state):] = state
-        targets[row, length - len(label):] = torch.tensor(label)
-        mask[row, length - len(state):] = 1
+        hidden[row, length - len(state) :] = state
+        targets[row, length - len(label) :] = torch.tensor(label)
+        mask[row, length - len(state) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return hidden, mask, positions, targets
 
@@ -180,9 +256,10 @@ def answer_loss(model, hidden, mask, positions, labels) -> torch.Tensor:
     """Mean cross-entropy over the answers' tokens; the 49,152-wide vocabulary projection runs only over the last
     positions, where the answers are."""
     answer_len = int((labels != -100).sum(-1).max())
-    logits = model(inputs_embeds=hidden, attention_mask=mask, position_ids=positions,
-                   logits_to_keep=answer_len + 1).logits                       # [B, answer_len + 1, vocab]
-    targets = labels[:, -answer_len:]                                           # [B, answer_len]
+    logits = model(
+        inputs_embeds=hidden, attention_mask=mask, position_ids=positions, logits_to_keep=answer_len + 1
+    ).logits  # [B, answer_len + 1, vocab]
+    targets = labels[:, -answer_len:]  # [B, answer_len]
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
@@ -194,9 +271,16 @@ def train(spec: AdapterSpec, base, tokenizer, answers: list[str], batch_size: in
     examples = training_examples(tokenizer, answers, spec.rewrite)
     first_layer = min(spec.layers)
     states = frozen_states(base, examples, first_layer)
-    config = LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, target_modules=list(spec.target_modules),
-                        layers_to_transform=list(spec.layers), use_rslora=spec.use_rslora, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.lora_alpha,
+        target_modules=list(spec.target_modules),
+        layers_to_transform=list(spec.layers),
+        use_rslora=spec.use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, config)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.learning_rate)

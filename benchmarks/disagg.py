@@ -43,8 +43,9 @@ def interference_workload(num_short: int, short_len: int, short_tokens: int, num
     generator = torch.Generator().manual_seed(SEED)
     shorts = [random_prompt(short_len, generator) for _ in range(num_short)]
     longs = [random_prompt(long_len, generator) for _ in range(num_long)]
-    params = ([SamplingParams(max_tokens=short_tokens, temperature=0.0, ignore_eos=True)] * num_short
-              + [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)] * num_long)
+    params = [SamplingParams(max_tokens=short_tokens, temperature=0.0, ignore_eos=True)] * num_short + [
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ] * num_long
     return shorts + longs, params
 
 
@@ -63,17 +64,24 @@ def main():
         generator = torch.Generator().manual_seed(SEED)
         disagg.generate([random_prompt(64, generator)], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
         print("\n1-2. one request at a time: bytes moved and transfer time against prefill time")
-        print(f"{'prompt':>7} {'blocks':>7} {'bytes':>12} {'B/token':>8} {'prefill s':>10} {'transfer s':>11} "
-              f"{'transfer/prefill':>17} {'GB/s':>6}")
+        print(
+            f"{'prompt':>7} {'blocks':>7} {'bytes':>12} {'B/token':>8} {'prefill s':>10} {'transfer s':>11} "
+            f"{'transfer/prefill':>17} {'GB/s':>6}"
+        )
         for length in args.lengths:
             before = len(disagg.transfer_log())
-            out = disagg.generate([random_prompt(length, generator)],
-                                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+            out = disagg.generate(
+                [random_prompt(length, generator)],
+                SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )[0]
             (record,) = disagg.transfer_log()[before:]
             prefill_s = out.metrics.ttft
-            print(f"{length:>7} {record['num_blocks']:>7} {record['num_bytes']:>12,} "
-                  f"{record['num_bytes'] / length:>8,.0f} {prefill_s:>10.3f} {record['seconds']:>11.4f} "
-                  f"{record['seconds'] / prefill_s:>17.4f} {record['num_bytes'] / record['seconds'] / 1e9:>6.2f}")
+            print(
+                f"{length:>7} {record['num_blocks']:>7} {record['num_bytes']:>12,} "
+                f"{record['num_bytes'] / length:>8,.0f} {prefill_s:>10.3f} {record['seconds']:>11.4f} "
+                f"{record['seconds'] / prefill_s:>17.4f} {record['num_bytes'] / record['seconds'] / 1e9:>6.2f}"
+            )
 
         prompts, params = interference_workload(args.num_short, 32, args.short_tokens, args.num_long, args.long)
         disagg_out = disagg.generate(prompts, params, use_tqdm=False)
@@ -88,21 +96,31 @@ def main():
     single_out = colocated.generate(prompts, params, use_tqdm=False)
 
     same = [o.outputs[0].token_ids for o in disagg_out] == [o.outputs[0].token_ids for o in coloc_out]
-    print(f"\n3. {args.num_short} short requests (32-token prompts, {args.short_tokens} tokens each) decode while "
-          f"{args.num_long} prompts of {args.long} tokens arrive (greedy tokens identical: {same})")
+    print(
+        f"\n3. {args.num_short} short requests (32-token prompts, {args.short_tokens} tokens each) decode while "
+        f"{args.num_long} prompts of {args.long} tokens arrive (greedy tokens identical: {same})"
+    )
     shorts = slice(0, args.num_short)
-    rows = [("colocated", coloc_out), ("colocated, chunked prefill 256", chunked_out),
-            ("colocated, 1 thread", single_out), ("disaggregated", disagg_out)]
+    rows = [
+        ("colocated", coloc_out),
+        ("colocated, chunked prefill 256", chunked_out),
+        ("colocated, 1 thread", single_out),
+        ("disaggregated", disagg_out),
+    ]
     base = p99(gaps(coloc_out[shorts]))
-    print(f"{'':>32} {'median gap s':>13} {'p99 gap s':>10} {'p99 / colocated':>16} {'long TTFT s':>12} "
-          f"{'makespan s':>11}")
+    print(
+        f"{'':>32} {'median gap s':>13} {'p99 gap s':>10} {'p99 / colocated':>16} {'long TTFT s':>12} "
+        f"{'makespan s':>11}"
+    )
     for name, outs in rows:
         short_gaps = gaps(outs[shorts])
-        long_ttft = statistics.mean(o.metrics.ttft for o in outs[args.num_short:])
+        long_ttft = statistics.mean(o.metrics.ttft for o in outs[args.num_short :])
         start = min(o.metrics.arrival_time for o in outs)
         makespan = max(o.metrics.finished_time for o in outs) - start
-        print(f"{name:>32} {statistics.median(short_gaps):>13.4f} {p99(short_gaps):>10.4f} "
-              f"{p99(short_gaps) / base:>16.3f} {long_ttft:>12.3f} {makespan:>11.3f}")
+        print(
+            f"{name:>32} {statistics.median(short_gaps):>13.4f} {p99(short_gaps):>10.4f} "
+            f"{p99(short_gaps) / base:>16.3f} {long_ttft:>12.3f} {makespan:>11.3f}"
+        )
 
 
 if __name__ == "__main__":

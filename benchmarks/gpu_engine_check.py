@@ -33,36 +33,83 @@ import torch
 
 # name -> model_type and config settings (the shapes of the published configs; the weights are random)
 ARCHITECTURES = {
-    "smollm2-135m": dict(model_type="llama",
-                         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
-    "llama3-8b": dict(model_type="llama",
-                      vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-1.7b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
-DRY_ARCHITECTURE = dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        max_position_embeddings=256,
-                        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+DRY_ARCHITECTURE = dict(
+    model_type="qwen3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 def parse_args(argv):
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", type=lambda s: s.split(","), default=list(ARCHITECTURES),
-                   help=f"comma-separated, from {list(ARCHITECTURES)}")
+    p.add_argument(
+        "--archs",
+        type=lambda s: s.split(","),
+        default=list(ARCHITECTURES),
+        help=f"comma-separated, from {list(ARCHITECTURES)}",
+    )
     p.add_argument("--prompts", type=int, default=4, help="prompts compared with transformers")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=ints, default=[1, 8, 32, 64])
-    p.add_argument("--dry", action="store_true",
-                   help="tiny shapes in float32, on the GPU if there is one, else in Triton's interpreter on the CPU")
+    p.add_argument(
+        "--dry",
+        action="store_true",
+        help="tiny shapes in float32, on the GPU if there is one, else in Triton's interpreter on the CPU",
+    )
     args = p.parse_args(argv)
     unknown = [a for a in args.archs if a not in ARCHITECTURES]
     if unknown:
@@ -74,11 +121,13 @@ def parse_args(argv):
 
 def build_model(name, device, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     settings = dict(DRY_ARCHITECTURE if name == "dry" else ARCHITECTURES[name])
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings, bos_token_id=None, eos_token_id=None,
-                                  pad_token_id=None)
+    config = AutoConfig.for_model(
+        settings.pop("model_type"), **settings, bos_token_id=None, eos_token_id=None, pad_token_id=None
+    )
     torch.manual_seed(0)
-    with torch.device(device):                   # initialised where it runs: an 8B model in seconds, not minutes
+    with torch.device(device):  # initialised where it runs: an 8B model in seconds, not minutes
         model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     return model
 
@@ -86,28 +135,34 @@ def build_model(name, device, dtype):
 def hf_greedy(model, prompt: list[int], new_tokens: int):
     """transformers' greedy tokens, and its fp32 logits [new_tokens, vocab] at each position. Each step runs the
     whole sequence again, without a cache: slower, but the same call in every transformers version."""
-    ids = torch.tensor([prompt], device=model.device)                               # [1, len]
+    ids = torch.tensor([prompt], device=model.device)  # [1, len]
     logits = []
     with torch.inference_mode():
         for _ in range(new_tokens):
             logits.append(model(input_ids=ids, use_cache=False).logits[0, -1].float())
             ids = torch.cat([ids, logits[-1].argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt):].tolist(), torch.stack(logits)
+    return ids[0, len(prompt) :].tolist(), torch.stack(logits)
 
 
 def engine_tokens(llm, args, vocab) -> list[list[int]]:
     """The engine's greedy tokens for a batch of random prompts of several lengths (decode batches of every size)."""
     from paged import SamplingParams
+
     generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, vocab, (args.prompt_len // (1 + i % 3),), generator=generator).tolist()
-               for i in range(max(args.batch_sizes))]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % args.new_tokens, ignore_eos=True)
-              for i in range(len(prompts))]
+    prompts = [
+        torch.randint(0, vocab, (args.prompt_len // (1 + i % 3),), generator=generator).tolist()
+        for i in range(max(args.batch_sizes))
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + i % args.new_tokens, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def compare(model, llm, args, vocab):
     from paged import SamplingParams
+
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.prompts)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -115,7 +170,7 @@ def compare(model, llm, args, vocab):
     gaps = []
     for i, (prompt, engine_tokens) in enumerate(zip(prompts, ours)):
         reference, logits = hf_greedy(model, prompt, args.new_tokens)
-        top2 = logits.topk(2, dim=-1).values                                          # [new_tokens, 2]
+        top2 = logits.topk(2, dim=-1).values  # [new_tokens, 2]
         gaps += (top2[:, 0] - top2[:, 1]).tolist()
         agree = next((j for j, (a, b) in enumerate(zip(engine_tokens, reference)) if a != b), len(reference))
         line = f"  prompt {i}: {agree}/{len(reference)} greedy tokens agree"
@@ -129,6 +184,7 @@ def compare(model, llm, args, vocab):
 def forward_syncs(llm, prompt_len: int) -> str:
     """Run one prefill and one decode step with CUDA's sync debug mode set to raise inside the forward pass."""
     from paged import SamplingParams
+
     if not torch.cuda.is_available():
         return "not checked (no CUDA)"
     engine, forward = llm.engine, llm.engine.model.forward
@@ -142,8 +198,11 @@ def forward_syncs(llm, prompt_len: int) -> str:
 
     engine.model.forward = strict_forward
     try:
-        llm.generate([list(range(1, prompt_len + 1))], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            [list(range(1, prompt_len + 1))],
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            use_tqdm=False,
+        )
         return "none (prefill and decode ran under set_sync_debug_mode('error'))"
     except RuntimeError as error:
         return f"YES: {str(error).splitlines()[0]}"
@@ -153,6 +212,7 @@ def forward_syncs(llm, prompt_len: int) -> str:
 
 def timed_generate(llm, prompts, max_tokens, device) -> float:
     from paged import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -166,26 +226,34 @@ def timed_generate(llm, prompts, max_tokens, device) -> float:
 def step_parts(llm, args, bandwidth):
     """A decode step's host parts and its memory floor at each batch size (benchmarks/host_time.py)."""
     from paged.analysis.host_time import PARTS, decode_step_times
+
     for batch in args.batch_sizes:
         r = decode_step_times(llm.engine, batch, args.prompt_len, 10)
         floor = r["bytes"] / bandwidth
-        print(f"    batch {batch:4d}: step {r['step_s'] * 1e3:7.2f} ms (" + ", ".join(
-            f"{part} {r[part + '_s'] * 1e3:.2f}" for part in PARTS) + f"); memory floor {floor * 1e3:.2f} ms = "
-            f"{floor / r['step_s']:.0%} of the step")
+        print(
+            f"    batch {batch:4d}: step {r['step_s'] * 1e3:7.2f} ms ("
+            + ", ".join(f"{part} {r[part + '_s'] * 1e3:.2f}" for part in PARTS)
+            + f"); memory floor {floor * 1e3:.2f} ms = "
+            f"{floor / r['step_s']:.0%} of the step"
+        )
 
 
 def throughput(llm, args, vocab, device):
-    print(f"  decode throughput (prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
-          f"time of {args.new_tokens} tokens minus time of 1, per decoded token):")
+    print(
+        f"  decode throughput (prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
+        f"time of {args.new_tokens} tokens minus time of 1, per decoded token):"
+    )
     for batch in args.batch_sizes:
         prompts = [[(7 * b + t) % vocab for t in range(args.prompt_len)] for b in range(batch)]
-        timed_generate(llm, prompts, 2, device)                                       # compile, warm up
+        timed_generate(llm, prompts, 2, device)  # compile, warm up
         prefill = timed_generate(llm, prompts, 1, device)
         total = timed_generate(llm, prompts, args.new_tokens, device)
         decoded = batch * (args.new_tokens - 1)
         step_ms = 1e3 * (total - prefill) / (args.new_tokens - 1)
-        print(f"    batch {batch:4d}: {decoded / (total - prefill):10.1f} tok/s, {step_ms:7.2f} ms per decode step, "
-              f"prefill {1e3 * prefill:8.1f} ms")
+        print(
+            f"    batch {batch:4d}: {decoded / (total - prefill):10.1f} tok/s, {step_ms:7.2f} ms per decode step, "
+            f"prefill {1e3 * prefill:8.1f} ms"
+        )
 
 
 def main(argv=None):
@@ -193,29 +261,44 @@ def main(argv=None):
     if not args.dry and not torch.cuda.is_available():
         sys.exit("gpu_engine_check.py needs CUDA; none is available here. Run it with --dry for a tiny CPU check.")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if args.dry else torch.bfloat16     # the interpreter has no bf16 dot
+    dtype = torch.float32 if args.dry else torch.bfloat16  # the interpreter has no bf16 dot
     from paged import LLM
     from paged.analysis.parallel_cost import measure_read_bandwidth
+
     bandwidth = measure_read_bandwidth(device=device)
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (Triton interpreter)'}, "
-          f"torch {torch.__version__}, dtype {dtype}, attention_backend 'triton'; memory read at "
-          f"{bandwidth / 1e9:.0f} GB/s")
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (Triton interpreter)'}, "
+        f"torch {torch.__version__}, dtype {dtype}, attention_backend 'triton'; memory read at "
+        f"{bandwidth / 1e9:.0f} GB/s"
+    )
     for name in args.archs:
         start = time.perf_counter()
         model = build_model(name, device, dtype)
         config = model.config
-        print(f"\n{name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, heads "
-              f"{config.num_attention_heads}/{config.num_key_value_heads}, head_dim {config.head_dim}, "
-              f"vocab {config.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+        print(
+            f"\n{name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, heads "
+            f"{config.num_attention_heads}/{config.num_key_value_heads}, head_dim {config.head_dim}, "
+            f"vocab {config.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters"
+        )
         longest = max(args.batch_sizes + [args.prompts])
         block_size = 16
         blocks_per_seq = -(-(args.prompt_len + args.new_tokens) // block_size)
         tokens = {}
         for mode in ("graphs", "eager"):
-            llm = LLM(model=model, device=device, dtype=dtype, attention_backend="triton", block_size=block_size,
-                      num_blocks=longest * blocks_per_seq + 8, max_num_seqs=longest,
-                      max_num_batched_tokens=max(2048, longest * args.prompt_len), enforce_eager=mode == "eager")
-            captured = llm.engine.model_runner.decode_graphs is not None and llm.engine.model_runner.decode_graphs.graphs
+            llm = LLM(
+                model=model,
+                device=device,
+                dtype=dtype,
+                attention_backend="triton",
+                block_size=block_size,
+                num_blocks=longest * blocks_per_seq + 8,
+                max_num_seqs=longest,
+                max_num_batched_tokens=max(2048, longest * args.prompt_len),
+                enforce_eager=mode == "eager",
+            )
+            captured = (
+                llm.engine.model_runner.decode_graphs is not None and llm.engine.model_runner.decode_graphs.graphs
+            )
             print(f"  -- {mode}: decode CUDA graphs {'captured' if captured else 'not captured'}")
             if mode == "graphs":
                 compare(model, llm, args, config.vocab_size)

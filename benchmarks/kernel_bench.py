@@ -29,8 +29,17 @@ from paged.kernels.decode_v2 import paged_decode_v2
 from paged.kernels.triton_ops import choose_num_splits
 
 # Peak HBM bandwidth in TB/s by device name (first match wins); --peak-tbps overrides.
-PEAK_TBPS = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("H800", 3.35),
-             ("A100-SXM4-80GB", 2.039), ("A100 80GB PCIe", 1.935), ("A100", 1.555), ("L40S", 0.864)]
+PEAK_TBPS = [
+    ("H200", 4.8),
+    ("H100 NVL", 3.9),
+    ("H100 PCIe", 2.0),
+    ("H100", 3.35),
+    ("H800", 3.35),
+    ("A100-SXM4-80GB", 2.039),
+    ("A100 80GB PCIe", 1.935),
+    ("A100", 1.555),
+    ("L40S", 0.864),
+]
 FIELDS = ["method", "batch", "context", "block_size", "latency_us", "tb_per_s", "pct_of_peak", "vs_sdpa", "max_err"]
 
 
@@ -46,8 +55,11 @@ def parse_args(argv):
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     p.add_argument("--peak-tbps", type=float, default=None, help="peak HBM bandwidth (default: from the GPU's name)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    p.add_argument("--dry-run", action="store_true",
-                   help="tiny shapes, on the GPU if there is one, else on the CPU through Triton's interpreter")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes, on the GPU if there is one, else on the CPU through Triton's interpreter",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         args.contexts, args.batches, args.block_sizes = [40, 100], [1, 3], [16]
@@ -72,9 +84,9 @@ def make_inputs(batch, context, block_size, args, device):
     block_tables = torch.randperm(batch * per_seq, device=device).view(batch, per_seq).to(torch.int32)
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, args.num_heads, d, dtype=dtype, device=device)
-    k = torch.empty(batch, hkv, context, d, dtype=dtype, device=device)            # [batch, Hkv, L, D] for SDPA
+    k = torch.empty(batch, hkv, context, d, dtype=dtype, device=device)  # [batch, Hkv, L, D] for SDPA
     v = torch.empty_like(k)
-    for b in range(batch):                                                         # one sequence at a time
+    for b in range(batch):  # one sequence at a time
         blocks = block_tables[b].long()
         k[b] = key_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
         v[b] = value_cache[blocks].flatten(0, 1)[:context].transpose(0, 1)
@@ -86,14 +98,15 @@ def fits(batch, context, args, device):
         return True
     element_bytes = getattr(torch, args.dtype).itemsize
     kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * element_bytes
-    return 2 * kv_bytes < 0.8 * torch.cuda.mem_get_info(device)[0]                # the pool and the contiguous copy
+    return 2 * kv_bytes < 0.8 * torch.cuda.mem_get_info(device)[0]  # the pool and the contiguous copy
 
 
 def time_us(fn, device):
     if device.type == "cuda":
         import triton.testing
+
         return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()                                                                           # the interpreter: one run
+    fn()  # the interpreter: one run
     start = time.perf_counter()
     fn()
     return 1e6 * (time.perf_counter() - start)
@@ -105,7 +118,7 @@ def bench_one(batch, context, block_size, args, device, with_sdpa):
     SDPA gets K/V as [batch, num_kv_heads, context, head_dim] and enable_gqa=True, so it reads the same bytes;
     its output is also the reference that max_err is measured against."""
     q, kc, vc, bt, lens, k, v = make_inputs(batch, context, block_size, args, device)
-    scale = args.head_dim ** -0.5
+    scale = args.head_dim**-0.5
     splits = choose_num_splits(batch, args.num_kv_heads, context, device)
     methods = {
         "sdpa": lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0],
@@ -119,9 +132,17 @@ def bench_one(batch, context, block_size, args, device, with_sdpa):
         if method == "sdpa" and not with_sdpa:
             continue
         us = time_us(fn, device)
-        rows.append(dict(method=method, batch=batch, context=context, block_size=0 if method == "sdpa" else block_size,
-                         latency_us=us, tb_per_s=kv_bytes / us / 1e6,
-                         max_err=float((fn().float() - expected).abs().max())))
+        rows.append(
+            dict(
+                method=method,
+                batch=batch,
+                context=context,
+                block_size=0 if method == "sdpa" else block_size,
+                latency_us=us,
+                tb_per_s=kv_bytes / us / 1e6,
+                max_err=float((fn().float() - expected).abs().max()),
+            )
+        )
     return rows
 
 
@@ -133,12 +154,16 @@ def finish(rows, peak):
 
 
 def print_table(rows):
-    print(f"{'method':>6} {'batch':>5} {'context':>7} {'block':>5} {'latency us':>11} {'TB/s':>7} "
-          f"{'% peak':>7} {'/ sdpa':>7} {'max err':>8}")
+    print(
+        f"{'method':>6} {'batch':>5} {'context':>7} {'block':>5} {'latency us':>11} {'TB/s':>7} "
+        f"{'% peak':>7} {'/ sdpa':>7} {'max err':>8}"
+    )
     for r in rows:
-        print(f"{r['method']:>6} {r['batch']:>5} {r['context']:>7} {r['block_size'] or '-':>5} "
-              f"{r['latency_us']:>11.1f} {r['tb_per_s']:>7.3f} {r['pct_of_peak']:>7.1f} {r['vs_sdpa']:>7.2f} "
-              f"{r['max_err']:>8.1e}")
+        print(
+            f"{r['method']:>6} {r['batch']:>5} {r['context']:>7} {r['block_size'] or '-':>5} "
+            f"{r['latency_us']:>11.1f} {r['tb_per_s']:>7.3f} {r['pct_of_peak']:>7.1f} {r['vs_sdpa']:>7.2f} "
+            f"{r['max_err']:>8.1e}"
+        )
 
 
 def save_csv(rows, path):
@@ -150,16 +175,21 @@ def save_csv(rows, path):
 
 def save_plot(rows, peak, title, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     block_sizes = sorted({r["block_size"] for r in rows if r["block_size"]})
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(block_sizes), figsize=(5 * len(block_sizes), 4), sharey=True, squeeze=False)
     for ax, bs in zip(axes[0], block_sizes):
         for i, batch in enumerate(batches):
             for method, style in (("v1", ":"), ("v2", "-"), ("sdpa", "--")):
-                pts = [(r["context"], r["tb_per_s"]) for r in rows if r["method"] == method and r["batch"] == batch
-                       and r["block_size"] in (bs, 0)]
+                pts = [
+                    (r["context"], r["tb_per_s"])
+                    for r in rows
+                    if r["method"] == method and r["batch"] == batch and r["block_size"] in (bs, 0)
+                ]
                 if pts:
                     ax.plot(*zip(*pts), style, color=f"C{i}", marker=".", label=f"{method} batch {batch}")
         if peak:
@@ -179,8 +209,10 @@ def save_plot(rows, peak, title, path):
 def main(argv=None):
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("kernel_bench.py measures GPU kernels and needs CUDA; none is available here. "
-                 "Run it with --dry-run for a tiny CPU check of the script itself.")
+        sys.exit(
+            "kernel_bench.py measures GPU kernels and needs CUDA; none is available here. "
+            "Run it with --dry-run for a tiny CPU check of the script itself."
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     peak = peak_tbps(args, device)
@@ -194,9 +226,11 @@ def main(argv=None):
                 rows += bench_one(batch, context, block_size, args, device, with_sdpa=i == 0)
     finish(rows, peak)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter (dry run)"
-    title = (f"{name}, peak {peak or 'unknown'} TB/s\n"
-             f"heads {args.num_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, {args.dtype}, "
-             f"torch {torch.__version__}")
+    title = (
+        f"{name}, peak {peak or 'unknown'} TB/s\n"
+        f"heads {args.num_heads}/{args.num_kv_heads}, head_dim {args.head_dim}, {args.dtype}, "
+        f"torch {torch.__version__}"
+    )
     print(title)
     print_table(rows)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,8 +29,15 @@ from paged import LLM, LoRARequest, SamplingParams
 from paged.lora import TARGET_MODULES, LoRASlots
 from paged.model.loader import load_hf_model
 
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def save_random_adapter(folder: str, hf_model, rank: int, seed: int) -> None:
@@ -39,23 +46,33 @@ def save_random_adapter(folder: str, hf_model, rank: int, seed: int) -> None:
     tensors = {}
     for index, layer in enumerate(hf_model.model.layers):
         for module in TARGET_MODULES:
-            weight = getattr(getattr(layer, PARENT[module]), module).weight       # [out, in]
+            weight = getattr(getattr(layer, PARENT[module]), module).weight  # [out, in]
             prefix = f"base_model.model.model.layers.{index}.{PARENT[module]}.{module}"
             fan_in = weight.shape[1]
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(weight.shape[0], rank, generator=gen) * 0.01
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
-                   "use_rslora": False, "fan_in_fan_out": False, "bias": "none"}, f)
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": list(TARGET_MODULES),
+                "use_rslora": False,
+                "fan_in_fan_out": False,
+                "bias": "none",
+            },
+            f,
+        )
 
 
 def merged_model(hf_model, adapter):
     """A full copy of the model with one adapter merged in: what serving without LoRA batching needs per adapter."""
     merged = copy.deepcopy(hf_model)
     with torch.no_grad():
-        for (index, module), (a, b) in adapter.weights.items():      # b is already scaled by alpha / r
+        for (index, module), (a, b) in adapter.weights.items():  # b is already scaled by alpha / r
             getattr(getattr(merged.model.layers[index], PARENT[module]), module).weight += b @ a
     return merged
 
@@ -112,10 +129,18 @@ def main():
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist() for _ in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    common = dict(tokenizer=tokenizer, device=device, dtype=dtype, max_num_seqs=args.batch,
-                  max_num_batched_tokens=max(2048, args.batch * args.prompt_len), num_blocks=args.batch * 8)
-    print(f"{device}, {dtype}, {torch.get_num_threads()} threads; batch {args.batch}, prompts of "
-          f"{args.prompt_len} tokens, {args.max_tokens} new each; adapters of rank {args.rank} on all 7 projections")
+    common = dict(
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
+        num_blocks=args.batch * 8,
+    )
+    print(
+        f"{device}, {dtype}, {torch.get_num_threads()} threads; batch {args.batch}, prompts of "
+        f"{args.prompt_len} tokens, {args.max_tokens} new each; adapters of rank {args.rank} on all 7 projections"
+    )
 
     with tempfile.TemporaryDirectory() as root:
         requests = []
@@ -124,7 +149,7 @@ def main():
             requests.append(LoRARequest(f"a{i}", i + 1, os.path.join(root, f"a{i}")))
         base_llm = LLM(model=copy.deepcopy(hf_model), **common)
         lora_llm = LLM(model=copy.deepcopy(hf_model), enable_lora=True, max_loras=8, max_lora_rank=args.rank, **common)
-        timed_generate(base_llm, prompts[:2], params)                                    # warm up both
+        timed_generate(base_llm, prompts[:2], params)  # warm up both
         timed_generate(lora_llm, prompts[:2], params, lora_request=requests[0])
 
         # 1. tokens/s: mixed adapters, base alone, merged models one adapter after another. Every configuration
@@ -142,37 +167,50 @@ def main():
                 for a in range(num_adapters):
                     naive = LLM(model=merged_model(hf_model, lora_llm.engine.lora.resolve(requests[a])), **common)
                     group = [p for p, lr in zip(prompts, loras) if lr is requests[a]]
-                    timed_generate(naive, group[:1], SamplingParams(max_tokens=2))           # warm up
+                    timed_generate(naive, group[:1], SamplingParams(max_tokens=2))  # warm up
                     t, s = timed_generate(naive, group, params)
                     naive_tokens, naive_seconds = naive_tokens + t, naive_seconds + s
                     del naive
-                best[("naive", num_adapters)] = max(best.get(("naive", num_adapters), 0.0),
-                                                    naive_tokens / naive_seconds)
+                best[("naive", num_adapters)] = max(
+                    best.get(("naive", num_adapters), 0.0), naive_tokens / naive_seconds
+                )
         print(f"\ntokens/s, best of {args.repeats} rounds taken in turns")
         print(f"{'adapters':>8} {'multi-LoRA tok/s':>17} {'vs base':>8} {'naive tok/s':>12} {'multi/naive':>12}")
         print(f"{'base':>8} {best['base']:17.1f} {1.0:8.2f}")
         for n in counts:
-            print(f"{n:>8} {best[n]:17.1f} {best[n] / best['base']:8.2f} {best[('naive', n)]:12.1f} "
-                  f"{best[n] / best[('naive', n)]:12.2f}")
+            print(
+                f"{n:>8} {best[n]:17.1f} {best[n] / best['base']:8.2f} {best[('naive', n)]:12.1f} "
+                f"{best[n] / best[('naive', n)]:12.2f}"
+            )
 
         # 2. one decode step at batch --batch: 4 adapters mixed against base only
         four = [requests[i % 4] for i in range(args.batch)]
-        lora_llm_4 = LLM(model=copy.deepcopy(hf_model), enable_lora=True, max_loras=4, max_lora_rank=args.rank,
-                         **common)
+        lora_llm_4 = LLM(
+            model=copy.deepcopy(hf_model), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common
+        )
         base_step, lora_base_step, mixed_step = decode_step_seconds(
-            [(base_llm, prompts, [None] * args.batch), (lora_llm, prompts, [None] * args.batch),
-             (lora_llm_4, prompts, four)], args.steps)
-        print(f"\ndecode step at batch {args.batch} (fastest of {args.steps}, taken in turns): base-only engine "
-              f"{base_step * 1e3:.1f} ms, LoRA engine with base requests {lora_base_step * 1e3:.1f} ms, "
-              f"4 adapters mixed {mixed_step * 1e3:.1f} ms")
+            [
+                (base_llm, prompts, [None] * args.batch),
+                (lora_llm, prompts, [None] * args.batch),
+                (lora_llm_4, prompts, four),
+            ],
+            args.steps,
+        )
+        print(
+            f"\ndecode step at batch {args.batch} (fastest of {args.steps}, taken in turns): base-only engine "
+            f"{base_step * 1e3:.1f} ms, LoRA engine with base requests {lora_base_step * 1e3:.1f} ms, "
+            f"4 adapters mixed {mixed_step * 1e3:.1f} ms"
+        )
         print(f"step-cost ratio, 4 adapters mixed / base-only: {mixed_step / base_step:.2f}x")
 
         # 3. memory, from the tensors' bytes (fp32 weights as loaded; the ratio does not depend on the dtype)
         base_bytes = model_bytes(hf_model)
         adapter_bytes = lora_llm.engine.lora.registry[1].nbytes
-        print(f"\nbase model {base_bytes / 2**20:.1f} MiB; one rank-{args.rank} adapter "
-              f"{adapter_bytes / 2**20:.2f} MiB "
-              f"({adapter_bytes / base_bytes:.2%} of the base)")
+        print(
+            f"\nbase model {base_bytes / 2**20:.1f} MiB; one rank-{args.rank} adapter "
+            f"{adapter_bytes / 2**20:.2f} MiB "
+            f"({adapter_bytes / base_bytes:.2%} of the base)"
+        )
         print(f"{'N':>4} {'base + N adapters MiB':>22} {'N full models MiB':>18} {'ratio':>7}")
         for n in (1, 2, 4, 8, 16, 64):
             shared, full = base_bytes + n * adapter_bytes, n * base_bytes

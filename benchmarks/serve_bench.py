@@ -21,13 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paged.analysis.load_client import first_model, make_requests, run_load  # noqa: E402
 from paged.engine.metrics import SLO  # noqa: E402
 
-ROWS = [("successful requests", "requests", "{:.0f}"), ("failed requests", "failures", "{:.0f}"),
-        ("duration (s)", "duration_s", "{:.2f}"), ("request throughput (req/s)", "throughput_rps", "{:.3f}"),
-        ("output throughput (tok/s)", "output_tok_s", "{:.1f}")] + [
-    (f"{name.upper()} {stat} (ms)", f"{name}_{key}", "ms")
-    for name in ("ttft", "tpot", "itl", "e2e") for stat, key in
-    (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))] + [
-    ("SLO attainment", "slo_attainment", "{:.3f}"), ("goodput (req/s)", "goodput_rps", "{:.3f}")]
+ROWS = (
+    [
+        ("successful requests", "requests", "{:.0f}"),
+        ("failed requests", "failures", "{:.0f}"),
+        ("duration (s)", "duration_s", "{:.2f}"),
+        ("request throughput (req/s)", "throughput_rps", "{:.3f}"),
+        ("output throughput (tok/s)", "output_tok_s", "{:.1f}"),
+    ]
+    + [
+        (f"{name.upper()} {stat} (ms)", f"{name}_{key}", "ms")
+        for name in ("ttft", "tpot", "itl", "e2e")
+        for stat, key in (("mean", "mean"), ("median", "p50"), ("p90", "p90"), ("p99", "p99"))
+    ]
+    + [("SLO attainment", "slo_attainment", "{:.3f}"), ("goodput (req/s)", "goodput_rps", "{:.3f}")]
+)
 
 
 def cell(value, fmt: str) -> str:
@@ -67,14 +75,16 @@ def main(argv=None) -> None:
         parser.error("--base-url is required")
     model = args.model or asyncio.run(first_model(args.base_url, args.api_key))
     requests = make_requests(args.num_prompts, args.profile, args.seed, args.max_input_len, args.max_output_len)
-    result = asyncio.run(run_load(args.base_url, model, requests, args.request_rate, args.max_concurrency,
-                                  args.seed, args.api_key))
+    result = asyncio.run(
+        run_load(args.base_url, model, requests, args.request_rate, args.max_concurrency, args.seed, args.api_key)
+    )
     slo = SLO(ttft=args.slo_ttft, tpot=args.slo_tpot)
     summary = result.summary(slo)
-    load = f"rate {args.request_rate} req/s" if args.max_concurrency is None else \
-        f"concurrency {args.max_concurrency}"
-    print(f"{args.num_prompts} {args.profile}-like prompts against {model} at {args.base_url}, {load}; "
-          f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s")
+    load = f"rate {args.request_rate} req/s" if args.max_concurrency is None else f"concurrency {args.max_concurrency}"
+    print(
+        f"{args.num_prompts} {args.profile}-like prompts against {model} at {args.base_url}, {load}; "
+        f"SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s"
+    )
     print_table({args.label: summary})
     for failure in result.failures[:5]:
         print(f"  {failure}")
@@ -82,8 +92,9 @@ def main(argv=None) -> None:
         settings = {k: v for k, v in vars(args).items() if k not in ("api_key", "result_json")}
         settings["request_rate"] = str(settings["request_rate"])
         Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_json).write_text(json.dumps({"label": args.label, "model": model, "settings": settings,
-                                                      "summary": summary}, indent=2) + "\n")
+        Path(args.result_json).write_text(
+            json.dumps({"label": args.label, "model": model, "settings": settings, "summary": summary}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

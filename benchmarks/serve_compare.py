@@ -17,19 +17,34 @@ from pathlib import Path
 
 import numpy as np
 
-FIGURES = ("throughput_rps", "output_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p99", "e2e_p99",
-           "goodput_rps", "slo_attainment", "failures")
-SLO_SHARE = 0.9   # DistServe's goodput: the highest rate at which this share of requests meets the SLO
+FIGURES = (
+    "throughput_rps",
+    "output_tok_s",
+    "ttft_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "tpot_p99",
+    "e2e_p99",
+    "goodput_rps",
+    "slo_attainment",
+    "failures",
+)
+SLO_SHARE = 0.9  # DistServe's goodput: the highest rate at which this share of requests meets the SLO
 
 
 def from_vllm_bench(saved: dict) -> dict:
     """vLLM's benchmark client's result in this file's shape (seconds)."""
-    row = {"throughput_rps": saved["request_throughput"], "output_tok_s": saved["output_throughput"],
-           "goodput_rps": saved["request_goodput"], "failures": saved["failed"]}
+    row = {
+        "throughput_rps": saved["request_throughput"],
+        "output_tok_s": saved["output_throughput"],
+        "goodput_rps": saved["request_goodput"],
+        "failures": saved["failed"],
+    }
     for name, theirs in (("ttft", "ttft"), ("itl", "itl"), ("tpot", "tpot"), ("e2e", "e2el")):
         for p in (50, 99):
             row[f"{name}_p{p}"] = saved[f"p{p}_{theirs}_ms"] / 1e3
-    met = saved["request_goodput"] * saved["duration"]   # requests that met the SLO
+    met = saved["request_goodput"] * saved["duration"]  # requests that met the SLO
     row["slo_attainment"] = met / (saved["completed"] + saved["failed"])
     return row
 
@@ -43,19 +58,29 @@ def from_guidellm(saved: dict) -> dict:
     """
     benchmark = saved["benchmarks"][0]
     metrics, duration = benchmark["metrics"], benchmark["duration"]
-    row = {"throughput_rps": metrics["request_totals"]["successful"] / duration,
-           "output_tok_s": metrics["output_token_count"]["successful"]["total_sum"] / duration,
-           "goodput_rps": float("nan"), "slo_attainment": float("nan"),
-           "failures": metrics["request_totals"]["errored"] + metrics["request_totals"]["incomplete"]}
-    for name, theirs, scale in (("ttft", "time_to_first_token_ms", 1e-3), ("itl", "inter_token_latency_ms", 1e-3),
-                                ("tpot", "inter_token_latency_ms", 1e-3), ("e2e", "request_latency", 1.0)):
+    row = {
+        "throughput_rps": metrics["request_totals"]["successful"] / duration,
+        "output_tok_s": metrics["output_token_count"]["successful"]["total_sum"] / duration,
+        "goodput_rps": float("nan"),
+        "slo_attainment": float("nan"),
+        "failures": metrics["request_totals"]["errored"] + metrics["request_totals"]["incomplete"],
+    }
+    for name, theirs, scale in (
+        ("ttft", "time_to_first_token_ms", 1e-3),
+        ("itl", "inter_token_latency_ms", 1e-3),
+        ("tpot", "inter_token_latency_ms", 1e-3),
+        ("e2e", "request_latency", 1.0),
+    ):
         for p in (50, 99):
             row[f"{name}_p{p}"] = metrics[theirs]["successful"]["percentiles"][f"p{p}"] * scale
     return row
 
 
-READERS = {"vllm-bench": from_vllm_bench, "guidellm": from_guidellm,
-           "serve-bench": lambda saved: {name: saved["summary"].get(name) for name in FIGURES}}
+READERS = {
+    "vllm-bench": from_vllm_bench,
+    "guidellm": from_guidellm,
+    "serve-bench": lambda saved: {name: saved["summary"].get(name) for name in FIGURES},
+}
 
 
 def read_runs(folder: Path) -> list[dict]:
@@ -64,8 +89,16 @@ def read_runs(folder: Path) -> list[dict]:
         server, client, workload, rate, round_ = path.stem.split("_")
         saved = json.loads(path.read_text())
         figures = READERS[client](saved)
-        runs.append({"server": server, "client": client, "workload": workload, "rate": float(rate),
-                     "round": int(round_[1:]), **figures})
+        runs.append(
+            {
+                "server": server,
+                "client": client,
+                "workload": workload,
+                "rate": float(rate),
+                "round": int(round_[1:]),
+                **figures,
+            }
+        )
     return runs
 
 
@@ -76,30 +109,52 @@ def average(runs: list[dict]) -> list[dict]:
         groups.setdefault((run["client"], run["workload"], run["rate"], run["server"]), []).append(run)
     rows = []
     for (client, workload, rate, server), group in sorted(groups.items()):
-        rows.append({"client": client, "workload": workload, "rate": rate, "server": server, "rounds": len(group),
-                     **{name: float(np.mean([r[name] for r in group])) for name in FIGURES}})
+        rows.append(
+            {
+                "client": client,
+                "workload": workload,
+                "rate": rate,
+                "server": server,
+                "rounds": len(group),
+                **{name: float(np.mean([r[name] for r in group])) for name in FIGURES},
+            }
+        )
     return rows
 
 
 def comparisons(rows: list[dict]) -> dict:
-    """At each rate of each client and workload: paged against vLLM on the four figures the benchmark targets."""
+    """At each rate of each client and workload: this server (and each budget it was also run at, paged-b<N>)
+    against vLLM on the four figures the benchmark targets."""
     table = {(r["client"], r["workload"], r["rate"], r["server"]): r for r in rows}
     at_rates = []
     for (client, workload, rate, server), paged in sorted(table.items()):
         vllm = table.get((client, workload, rate, "vllm"))
-        if server != "paged" or vllm is None:
+        if not server.startswith("paged") or vllm is None:
             continue
-        at_rates.append({"client": client, "workload": workload, "rate": rate,
-                         "goodput >= vllm": paged["goodput_rps"] >= vllm["goodput_rps"],
-                         "ttft p99 <= vllm": paged["ttft_p99"] <= vllm["ttft_p99"],
-                         "itl p99 <= vllm": paged["itl_p99"] <= vllm["itl_p99"],
-                         "output tok/s >= vllm": paged["output_tok_s"] >= vllm["output_tok_s"],
-                         "itl p99 ratio": paged["itl_p99"] / vllm["itl_p99"],
-                         "ttft p99 ratio": paged["ttft_p99"] / vllm["ttft_p99"]})
+        at_rates.append(
+            {
+                "server": server,
+                "client": client,
+                "workload": workload,
+                "rate": rate,
+                "goodput >= vllm": paged["goodput_rps"] >= vllm["goodput_rps"],
+                "ttft p99 <= vllm": paged["ttft_p99"] <= vllm["ttft_p99"],
+                "itl p99 <= vllm": paged["itl_p99"] <= vllm["itl_p99"],
+                "output tok/s >= vllm": paged["output_tok_s"] >= vllm["output_tok_s"],
+                "itl p99 ratio": paged["itl_p99"] / vllm["itl_p99"],
+                "ttft p99 ratio": paged["ttft_p99"] / vllm["ttft_p99"],
+            }
+        )
     highest = {}
-    for server in ("paged", "vllm"):
-        met = [r["rate"] for r in rows if r["server"] == server and r["client"] == "vllm-bench"
-               and r["workload"] == "random" and r["slo_attainment"] >= SLO_SHARE]
+    for server in sorted({r["server"] for r in rows}):
+        met = [
+            r["rate"]
+            for r in rows
+            if r["server"] == server
+            and r["client"] == "vllm-bench"
+            and r["workload"] == "random"
+            and r["slo_attainment"] >= SLO_SHARE
+        ]
         highest[server] = max(met, default=None)
     return {"at_rates": at_rates, f"highest_rate_{int(SLO_SHARE * 100)}pct_slo": highest}
 
@@ -107,22 +162,30 @@ def comparisons(rows: list[dict]) -> dict:
 def print_tables(rows: list[dict], compared: dict) -> None:
     keys = sorted({(r["client"], r["workload"]) for r in rows})
     for client, workload in keys:
-        print(f"\n{client}, {workload} prompts ({'mean of the rounds' if client == 'vllm-bench' else 'one round'})"
-              f"{'; ITL: each request mean gap' if client == 'guidellm' else ''}")
-        print(f"{'rate':>6} {'server':<7}{'req/s':>7}{'tok/s':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
-              f"{'ITL p99':>9}{'TPOT p99':>10}{'SLO met':>9}{'goodput':>9}")
+        print(
+            f"\n{client}, {workload} prompts ({'mean of the rounds' if client == 'vllm-bench' else 'one round'})"
+            f"{'; ITL: each request mean gap' if client == 'guidellm' else ''}"
+        )
+        print(
+            f"{'rate':>6} {'server':<12}{'req/s':>7}{'tok/s':>7}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
+            f"{'ITL p99':>9}{'TPOT p99':>10}{'SLO met':>9}{'goodput':>9}"
+        )
         for r in rows:
             if (r["client"], r["workload"]) != (client, workload):
                 continue
-            print(f"{r['rate']:>6g} {r['server']:<7}{r['throughput_rps']:>7.2f}{r['output_tok_s']:>7.1f}"
-                  f"{r['ttft_p50']:>9.2f}s{r['ttft_p99']:>9.2f}s{r['itl_p50'] * 1e3:>7.0f}ms"
-                  f"{r['itl_p99'] * 1e3:>7.0f}ms{r['tpot_p99'] * 1e3:>8.0f}ms{r['slo_attainment']:>9.2f}"
-                  f"{r['goodput_rps']:>9.2f}")
+            print(
+                f"{r['rate']:>6g} {r['server']:<12}{r['throughput_rps']:>7.2f}{r['output_tok_s']:>7.1f}"
+                f"{r['ttft_p50']:>9.2f}s{r['ttft_p99']:>9.2f}s{r['itl_p50'] * 1e3:>7.0f}ms"
+                f"{r['itl_p99'] * 1e3:>7.0f}ms{r['tpot_p99'] * 1e3:>8.0f}ms{r['slo_attainment']:>9.2f}"
+                f"{r['goodput_rps']:>9.2f}"
+            )
     print("\nthis server against vLLM, at each rate:")
     for c in compared["at_rates"]:
-        checks = ", ".join(f"{name} {'yes' if c[name] else 'NO'}" for name in
-                           ("goodput >= vllm", "ttft p99 <= vllm", "itl p99 <= vllm", "output tok/s >= vllm"))
-        print(f"  {c['client']}, {c['workload']}, {c['rate']:g} req/s: {checks}")
+        checks = ", ".join(
+            f"{name} {'yes' if c[name] else 'NO'}"
+            for name in ("goodput >= vllm", "ttft p99 <= vllm", "itl p99 <= vllm", "output tok/s >= vllm")
+        )
+        print(f"  {c['server']}, {c['client']}, {c['workload']}, {c['rate']:g} req/s: {checks}")
     highest = compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo"]
     print(f"highest rate measured with {SLO_SHARE:.0%} of requests in the SLO: {highest}")
 
@@ -140,8 +203,9 @@ def main(argv=None) -> None:
     compared = comparisons(rows)
     print_tables(rows, compared)
     how = dict(item.split("=", 1) for item in args.how)
-    args.out.write_text(json.dumps({"how": how, "summary": rows, "comparisons": compared, "runs": runs},
-                                   indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"how": how, "summary": rows, "comparisons": compared, "runs": runs}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

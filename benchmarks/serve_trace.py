@@ -28,9 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paged.analysis.load_client import make_requests, run_load  # noqa: E402
 from paged.serving.api_server import build_app, serve_in_thread, serving_llm  # noqa: E402
 
-POLICIES = {"whole": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
-            "chunked-2048": {"enable_chunked_prefill": True, "max_num_batched_tokens": 2048},
-            "sized": {}}
+POLICIES = {
+    "whole": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
+    "chunked-2048": {"enable_chunked_prefill": True, "max_num_batched_tokens": 2048},
+    "sized": {},
+}
 
 
 def step_table(steps) -> list[dict]:
@@ -38,18 +40,26 @@ def step_table(steps) -> list[dict]:
     kinds = {"decodes only": [], "prompt tokens only": [], "prompt tokens and decodes": []}
     for s in steps:
         prefill = sum(n for _, n in s.step.prefills)
-        kind = "decodes only" if not prefill else "prompt tokens and decodes" if s.step.decodes else \
-            "prompt tokens only"
+        kind = (
+            "decodes only" if not prefill else "prompt tokens and decodes" if s.step.decodes else "prompt tokens only"
+        )
         kinds[kind].append(s)
     rows = []
     for kind, group in kinds.items():
         if not group:
             continue
         times = np.array([s.step.duration for s in group])
-        rows.append({"kind": kind, "steps": len(group), "mean ms": 1e3 * times.mean(),
-                     "p99 ms": 1e3 * np.percentile(times, 99), "max ms": 1e3 * times.max(),
-                     "prompt tokens, max": max(sum(n for _, n in s.step.prefills) for s in group),
-                     "decodes, mean": float(np.mean([len(s.step.decodes) for s in group]))})
+        rows.append(
+            {
+                "kind": kind,
+                "steps": len(group),
+                "mean ms": 1e3 * times.mean(),
+                "p99 ms": 1e3 * np.percentile(times, 99),
+                "max ms": 1e3 * times.max(),
+                "prompt tokens, max": max(sum(n for _, n in s.step.prefills) for s in group),
+                "decodes, mean": float(np.mean([len(s.step.decodes) for s in group])),
+            }
+        )
     return rows
 
 
@@ -57,39 +67,63 @@ def run_policy(name: str, args) -> dict:
     """Serve the load under one policy; print what its steps show; return its settings, summary and steps."""
     llm, sized = serving_llm("smollm2", **POLICIES[name])
     config = llm.engine.config
-    settings = {"max_num_batched_tokens": config.max_num_batched_tokens, "sized": sized is not None,
-                "enable_chunked_prefill": config.enable_chunked_prefill, "max_num_seqs": config.max_num_seqs,
-                "enable_prefix_caching": config.enable_prefix_caching}
+    settings = {
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "sized": sized is not None,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "max_num_seqs": config.max_num_seqs,
+        "enable_prefix_caching": config.enable_prefix_caching,
+    }
     print(f"\n== {name}: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     app = build_app(llm, "smollm2")
-    requests = make_requests(args.num_prompts, "sharegpt", seed=0, max_input_len=args.max_input_len,
-                             max_output_len=args.max_output_len)
+    requests = make_requests(
+        args.num_prompts, "sharegpt", seed=0, max_input_len=args.max_input_len, max_output_len=args.max_output_len
+    )
     warm_up = make_requests(2, "sharegpt", seed=1, max_input_len=args.max_input_len, max_output_len=8)
     with serve_in_thread(app) as url:
-        asyncio.run(run_load(url, "smollm2", warm_up, 100.0))   # warm up, on prompts of its own
+        asyncio.run(run_load(url, "smollm2", warm_up, 100.0))  # warm up, on prompts of its own
         app.state.async_llm.steps.clear()
         result = asyncio.run(run_load(url, "smollm2", requests, args.request_rate))
         steps = list(app.state.async_llm.steps)
     summary = result.summary()
-    print(f"{len(steps)} steps; client: TTFT p50 {summary['ttft_p50']:.2f} s, p99 {summary['ttft_p99']:.2f} s; "
-          f"ITL p50 {1e3 * summary['itl_p50']:.0f} ms, p99 {1e3 * summary['itl_p99']:.0f} ms; "
-          f"{summary['output_tok_s']:.1f} output tok/s; {summary['failures']} failures")
-    print(f"{'kind':<28}{'steps':>7}{'mean ms':>9}{'p99 ms':>9}{'max ms':>9}{'prompt tok max':>16}"
-          f"{'decodes mean':>14}")
+    print(
+        f"{len(steps)} steps; client: TTFT p50 {summary['ttft_p50']:.2f} s, p99 {summary['ttft_p99']:.2f} s; "
+        f"ITL p50 {1e3 * summary['itl_p50']:.0f} ms, p99 {1e3 * summary['itl_p99']:.0f} ms; "
+        f"{summary['output_tok_s']:.1f} output tok/s; {summary['failures']} failures"
+    )
+    print(f"{'kind':<28}{'steps':>7}{'mean ms':>9}{'p99 ms':>9}{'max ms':>9}{'prompt tok max':>16}{'decodes mean':>14}")
     for row in step_table(steps):
-        print(f"{row['kind']:<28}{row['steps']:>7}{row['mean ms']:>9.0f}{row['p99 ms']:>9.0f}{row['max ms']:>9.0f}"
-              f"{row['prompt tokens, max']:>16}{row['decodes, mean']:>14.1f}")
+        print(
+            f"{row['kind']:<28}{row['steps']:>7}{row['mean ms']:>9.0f}{row['p99 ms']:>9.0f}{row['max ms']:>9.0f}"
+            f"{row['prompt tokens, max']:>16}{row['decodes, mean']:>14.1f}"
+        )
     outside = np.array([s.outside_forward for s in steps])
     loop = np.array([s.loop_time for s in steps])
     total = np.array([s.step.duration + s.loop_time for s in steps])
-    print(f"per step outside the forward pass: mean {1e3 * outside.mean():.1f} ms, p99 "
-          f"{1e3 * np.percentile(outside, 99):.1f} ms ({outside.sum() / total.sum():.1%} of the loop's time); "
-          f"of it the loop's own work around the step: mean {1e3 * loop.mean():.1f} ms, p99 "
-          f"{1e3 * np.percentile(loop, 99):.1f} ms")
-    return {"settings": settings, "summary": summary, "steps": [{
-        "start": s.step.start, "duration": s.step.duration, "forward": s.forward_time, "loop": s.loop_time,
-        "prompt_tokens": sum(n for _, n in s.step.prefills), "prefills": len(s.step.prefills),
-        "decodes": len(s.step.decodes), "waiting": s.num_waiting, "running": s.num_running} for s in steps]}
+    print(
+        f"per step outside the forward pass: mean {1e3 * outside.mean():.1f} ms, p99 "
+        f"{1e3 * np.percentile(outside, 99):.1f} ms ({outside.sum() / total.sum():.1%} of the loop's time); "
+        f"of it the loop's own work around the step: mean {1e3 * loop.mean():.1f} ms, p99 "
+        f"{1e3 * np.percentile(loop, 99):.1f} ms"
+    )
+    return {
+        "settings": settings,
+        "summary": summary,
+        "steps": [
+            {
+                "start": s.step.start,
+                "duration": s.step.duration,
+                "forward": s.forward_time,
+                "loop": s.loop_time,
+                "prompt_tokens": sum(n for _, n in s.step.prefills),
+                "prefills": len(s.step.prefills),
+                "decodes": len(s.step.decodes),
+                "waiting": s.num_waiting,
+                "running": s.num_running,
+            }
+            for s in steps
+        ],
+    }
 
 
 def main(argv=None) -> None:
@@ -103,9 +137,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     results = {name: run_policy(name, args) for name in args.policies}
     if args.out:
-        load = {"num_prompts": args.num_prompts, "request_rate": args.request_rate, "profile": "sharegpt",
-                "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
-                "command": "python benchmarks/serve_trace.py " + " ".join(argv or sys.argv[1:])}
+        load = {
+            "num_prompts": args.num_prompts,
+            "request_rate": args.request_rate,
+            "profile": "sharegpt",
+            "max_input_len": args.max_input_len,
+            "max_output_len": args.max_output_len,
+            "command": "python benchmarks/serve_trace.py " + " ".join(argv or sys.argv[1:]),
+        }
         Path(args.out).write_text(json.dumps({"load": load, "policies": results}, indent=1) + "\n")
 
 

@@ -14,6 +14,9 @@
 # and OUT_JSON where serve_compare.py writes: benchmarks/results/serve_vs_vllm.json for all the workloads, the
 # committed comparison, but benchmarks/results/serve_vs_vllm_subset.json for a subset, so that a subset run does
 # not overwrite the full run's file (RATES cannot be emptied, `RATES=` gives the default: leave out `random`).
+# BUDGETS (empty by default) also runs this server at each of these token budgets, as `paged-b<N>` in the same
+# rounds (`--max-num-batched-tokens N`): the sweep behind the budget it sizes for itself, e.g.
+#   WORKLOADS=random RATES="1 2 4" BUDGETS="128 384 512 1024" make bench-serve
 # Each server runs as its own documentation sets it up on a CPU: this one with its defaults (chunked prefill under a
 # token budget it sizes for the machine, prefix caching); vLLM with VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE
 # and TCMalloc preloaded where Debian's libtcmalloc-minimal4 is installed, its own defaults otherwise (V1: chunked
@@ -147,6 +150,13 @@ for round in $(seq "$ROUNDS"); do
   wait_healthy
   load paged "$round"
   stop
+  for budget in ${BUDGETS:-}; do
+    echo "== round $round: python -m paged serve --max-num-batched-tokens $budget (cores $CORES)"
+    taskset -c "$CORES" $PAGED_COMMAND --max-num-batched-tokens "$budget" & server=$!
+    wait_healthy
+    load "paged-b$budget" "$round"
+    stop
+  done
   if [ "$have_vllm" = 1 ]; then
     echo "== round $round: vllm serve $MODEL_DIR (cores $CORES)"
     env $VLLM_ENV taskset -c "$CORES" $VLLM_COMMAND & server=$!
@@ -157,4 +167,5 @@ for round in $(seq "$ROUNDS"); do
 done
 $PY benchmarks/serve_compare.py "$OUT" --out "$OUT_JSON" \
   --how "cores=$CORES" "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
-  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS"
+  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
+  "budgets=${BUDGETS:-}"

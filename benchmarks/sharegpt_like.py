@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged.analysis.load_client import make_requests  # noqa: E402
 
-MIN_WORD_LETTERS = 4   # shorter single tokens are mostly pieces of words ("equ", "lig")
+MIN_WORD_LETTERS = 4  # shorter single tokens are mostly pieces of words ("equ", "lig")
 
 
 def whole_words(tokenizer) -> list[str]:
@@ -32,11 +32,16 @@ def whole_words(tokenizer) -> list[str]:
 
     A piece that begins a longer word of the vocabulary ("adequ" of "adequate", "pict" of "picture") is left out:
     most such pieces are not words, and the words left are enough (some 1,500 for SmolLM2)."""
-    spaced_words = sorted(piece[1:] for piece in tokenizer.get_vocab()
-                          if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha()
-                          and piece[1:].islower())
-    candidates = [w for w, after in zip(spaced_words, spaced_words[1:] + [""])   # sorted: a longer word follows
-                  if len(w) >= MIN_WORD_LETTERS and not after.startswith(w)]
+    spaced_words = sorted(
+        piece[1:]
+        for piece in tokenizer.get_vocab()
+        if piece.startswith("Ġ") and piece[1:].isascii() and piece[1:].isalpha() and piece[1:].islower()
+    )
+    candidates = [
+        w
+        for w, after in zip(spaced_words, spaced_words[1:] + [""])  # sorted: a longer word follows
+        if len(w) >= MIN_WORD_LETTERS and not after.startswith(w)
+    ]
     alone = tokenizer(candidates, add_special_tokens=False).input_ids
     spaced = tokenizer([" " + w for w in candidates], add_special_tokens=False).input_ids
     return [w for w, a, s in zip(candidates, alone, spaced) if len(a) == 1 and len(s) == 1]
@@ -53,8 +58,12 @@ def conversations(tokenizer, lengths: list[tuple[int, int]], seed: int) -> list[
     out = []
     for i, pair in enumerate(lengths):
         prompt, reply = (" ".join(rng.choice(words, n)) for n in pair)
-        out.append({"id": f"sharegpt-like-{seed}-{i}", "conversations": [{"from": "human", "value": prompt},
-                                                                         {"from": "gpt", "value": reply}]})
+        out.append(
+            {
+                "id": f"sharegpt-like-{seed}-{i}",
+                "conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}],
+            }
+        )
     return out
 
 
@@ -81,6 +90,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     lengths = drawn_lengths(args.num_conversations, args.seed, args.max_input_len, args.max_output_len)
     data = conversations(tokenizer, lengths, args.seed)
@@ -88,8 +98,10 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data) + "\n")
     prompts, replies = np.mean(lengths, axis=0)
-    print(f"{len(data)} ShareGPT-like conversations (not ShareGPT) in {args.out}: {prompts:.0f} prompt and "
-          f"{replies:.0f} reply tokens on average")
+    print(
+        f"{len(data)} ShareGPT-like conversations (not ShareGPT) in {args.out}: {prompts:.0f} prompt and "
+        f"{replies:.0f} reply tokens on average"
+    )
 
 
 if __name__ == "__main__":

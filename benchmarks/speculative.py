@@ -32,23 +32,36 @@ from paged.analysis.speculative_cost import crossover_batch, expected_tokens, me
 from paged.analysis.step_cost import SMOLLM2_CPU
 from paged.model.loader import chat_prompt, load_hf_model
 
-PASSAGE = ("The lighthouse stood on a narrow spit of rock at the edge of the bay. Every night its keeper climbed "
-           "the one hundred and twelve steps to the lamp room, trimmed the wick, polished the great lens and "
-           "watched the beam sweep across the water. Ships passing in the dark counted the flashes to know where "
-           "they were: two short and one long meant the bay, three short meant the reef to the north.")
-COPY_ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
-             "Copy this paragraph, changing nothing:\n\n{}",
-             "Quote the passage below in full:\n\n{}",
-             "Rewrite the following text, keeping every sentence as it is:\n\n{}"]
-CHAT_ASKS = ["Tell me three facts about the ocean.", "Write a short poem about bees.", "Explain jazz to a child.",
-             "What are common misconceptions about glaciers?", "Describe how a violin makes sound.",
-             "Why do we have seasons?", "Give me a recipe for pancakes.", "What is a black hole?"]
+PASSAGE = (
+    "The lighthouse stood on a narrow spit of rock at the edge of the bay. Every night its keeper climbed "
+    "the one hundred and twelve steps to the lamp room, trimmed the wick, polished the great lens and "
+    "watched the beam sweep across the water. Ships passing in the dark counted the flashes to know where "
+    "they were: two short and one long meant the bay, three short meant the reef to the north."
+)
+COPY_ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{}",
+    "Copy this paragraph, changing nothing:\n\n{}",
+    "Quote the passage below in full:\n\n{}",
+    "Rewrite the following text, keeping every sentence as it is:\n\n{}",
+]
+CHAT_ASKS = [
+    "Tell me three facts about the ocean.",
+    "Write a short poem about bees.",
+    "Explain jazz to a child.",
+    "What are common misconceptions about glaciers?",
+    "Describe how a violin makes sound.",
+    "Why do we have seasons?",
+    "Give me a recipe for pancakes.",
+    "What is a black hole?",
+]
 
 
 def prompts_for(tokenizer, workload: str, count: int) -> list[list[int]]:
     asks = [a.format(PASSAGE) for a in COPY_ASKS] if workload == "copying" else CHAT_ASKS
-    return [tokenizer(chat_prompt(tokenizer, asks[i % len(asks)]), add_special_tokens=False)["input_ids"]
-            for i in range(count)]
+    return [
+        tokenizer(chat_prompt(tokenizer, asks[i % len(asks)]), add_special_tokens=False)["input_ids"]
+        for i in range(count)
+    ]
 
 
 def speculative_config(method: str, model, k: int):
@@ -63,8 +76,16 @@ def speculative_config(method: str, model, k: int):
 
 
 def run(model, tokenizer, prompts, method: str, k: int, max_tokens: int) -> dict:
-    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=2048, block_size=16, max_num_seqs=64, device="cpu",
-              dtype=torch.float32, speculative_config=speculative_config(method, model, k))
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        num_blocks=2048,
+        block_size=16,
+        max_num_seqs=64,
+        device="cpu",
+        dtype=torch.float32,
+        speculative_config=speculative_config(method, model, k),
+    )
     engine = llm.engine
     draft_seconds = [0.0]
     if engine.speculator is not None:  # time the proposer apart from the target's step
@@ -84,23 +105,35 @@ def run(model, tokenizer, prompts, method: str, k: int, max_tokens: int) -> dict
     seconds = time.perf_counter() - start
     stats = llm.spec_stats()
     num_steps = engine.num_steps - steps_before
-    return {"tokens": [o.outputs[0].token_ids for o in outs], "seconds": seconds,
-            "tok_s": len(prompts) * max_tokens / seconds,
-            "latency": sum(o.metrics.e2e_latency for o in outs) / len(outs),
-            "steps": num_steps, "draft_seconds": draft_seconds[0],
-            "acceptance": stats["num_accepted_tokens"] / max(stats["num_draft_tokens"], 1),
-            "per_pos": [n / max(stats["num_drafts"], 1) for n in stats["num_accepted_tokens_per_pos"]],
-            "drafts": stats["num_drafts"]}
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "seconds": seconds,
+        "tok_s": len(prompts) * max_tokens / seconds,
+        "latency": sum(o.metrics.e2e_latency for o in outs) / len(outs),
+        "steps": num_steps,
+        "draft_seconds": draft_seconds[0],
+        "acceptance": stats["num_accepted_tokens"] / max(stats["num_draft_tokens"], 1),
+        "per_pos": [n / max(stats["num_drafts"], 1) for n in stats["num_accepted_tokens_per_pos"]],
+        "drafts": stats["num_drafts"],
+    }
 
 
 def cost_model(model, tokenizer, batch_sizes: list[int], k: int, context: int, acceptances: dict[str, float]):
     """Decode and verify steps timed alone; the measured and the modelled batch size where speculation stops paying."""
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=16, device="cpu", dtype=torch.float32,
-              num_blocks=max(batch_sizes) * -(-(context + k + 1) // 16))
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=16,
+        device="cpu",
+        dtype=torch.float32,
+        num_blocks=max(batch_sizes) * -(-(context + k + 1) // 16),
+    )
     measure_step(llm.engine, 1, 1, context, repeats=1)  # warm up
     print(f"\n== cost model: one forward pass at context {context}, k = {k}; speedup = E(a, k) * t_decode / t_verify")
-    print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'verify/decode':>15}{'fitted':>8}   "
-          + "".join(f"{name:>22}" for name in acceptances))
+    print(
+        f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'verify/decode':>15}{'fitted':>8}   "
+        + "".join(f"{name:>22}" for name in acceptances)
+    )
     measured = {}
     for batch in batch_sizes:
         decode, verify = measure_step(llm.engine, batch, 1, context), measure_step(llm.engine, batch, k + 1, context)
@@ -113,8 +146,10 @@ def cost_model(model, tokenizer, batch_sizes: list[int], k: int, context: int, a
     for name, a in acceptances.items():
         stops = next((batch for batch, speedup in measured[name] if speedup < 1), None)
         modelled = crossover_batch(SMOLLM2_CPU, k, a, context)
-        print(f"{name} (a = {a:.2f}): stops paying at batch {stops or f'> {max(batch_sizes)}'} measured, "
-              f"{modelled or '> 4096'} by the fitted step cost")
+        print(
+            f"{name} (a = {a:.2f}): stops paying at batch {stops or f'> {max(batch_sizes)}'} measured, "
+            f"{modelled or '> 4096'} by the fitted step cost"
+        )
 
 
 def main():
@@ -126,9 +161,12 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--cost-batches", default="1,4,16,64,128", help="batch sizes of the cost-model table")
     parser.add_argument("--context", type=int, default=200, help="context of the cost-model table's sequences")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; on a small CPU shared with other work, two threads can make small "
-                             "steps slower")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; on a small CPU shared with other work, two threads can make small steps slower",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_hf_model()
@@ -138,8 +176,10 @@ def main():
         for batch in map(int, args.batch_sizes.split(",")):
             prompts = prompts_for(tokenizer, workload, batch)
             print(f"\n== {workload}, batch {batch}, {args.max_tokens} new tokens, k = {args.k}")
-            print(f"{'method':<14}{'tok/s':>8}{'x none':>8}{'latency s':>11}{'accept':>8}{'E meas':>8}"
-                  f"{'c':>7}{'model x':>9}   accepted per position")
+            print(
+                f"{'method':<14}{'tok/s':>8}{'x none':>8}{'latency s':>11}{'accept':>8}{'E meas':>8}"
+                f"{'c':>7}{'model x':>9}   accepted per position"
+            )
             base = None
             for method in args.methods.split(","):
                 r = run(model, tokenizer, prompts, method, args.k, args.max_tokens)
@@ -159,11 +199,19 @@ def main():
                 c = t_draft / args.k / t_decode  # one draft step against one target decode step
                 predicted = expected_tokens(r["acceptance"], args.k) * t_decode / (t_verify + t_draft)
                 per_pos = " ".join(f"{p:.2f}" for p in r["per_pos"])
-                print(f"{line}{r['acceptance']:8.2f}{e_measured:8.2f}{c:7.2f}{predicted:9.2f}   {per_pos}"
-                      f"   (verify {t_verify / t_decode:.2f}x a decode)")
+                print(
+                    f"{line}{r['acceptance']:8.2f}{e_measured:8.2f}{c:7.2f}{predicted:9.2f}   {per_pos}"
+                    f"   (verify {t_verify / t_decode:.2f}x a decode)"
+                )
 
-    cost_model(model, tokenizer, [int(b) for b in args.cost_batches.split(",")], args.k, args.context,
-               {name: sum(values) / len(values) for name, values in acceptances.items()})
+    cost_model(
+        model,
+        tokenizer,
+        [int(b) for b in args.cost_batches.split(",")],
+        args.k,
+        args.context,
+        {name: sum(values) / len(values) for name, values in acceptances.items()},
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from paged.model.loader import load_hf_model
 
 PARTS = {  # aten op -> what it does in a decode step of paged/model/llama.py, whichever attention runs
     "aten::mm": "matmuls (QKV, O, gate/up, down, LM head)",
-    "mkldnn::_linear_pointwise": "matmuls (QKV, O, gate/up, down, LM head)",   # on weights packed for oneDNN
-    "aten::amax": "sampling",      # greedy_tokens: each chunk's maximum, then argmax over chunks and within one
+    "mkldnn::_linear_pointwise": "matmuls (QKV, O, gate/up, down, LM head)",  # on weights packed for oneDNN
+    "aten::amax": "sampling",  # greedy_tokens: each chunk's maximum, then argmax over chunks and within one
     "aten::argmax": "sampling",
 }
 ATTENTION_PARTS = {  # attention backend -> its ops -> what they do
@@ -68,7 +68,7 @@ def profile_steps(engine, steps: int) -> tuple[float, float, float, dict[str, fl
         forward_seconds.append(time.perf_counter() - start)
         return logits
 
-    engine.model.forward = timed_forward   # an attribute of this object only; deleted below
+    engine.model.forward = timed_forward  # an attribute of this object only; deleted below
     try:
         start = time.perf_counter()
         for _ in range(steps):
@@ -97,11 +97,18 @@ def main():
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="decode steps to time, and as many to profile")
-    parser.add_argument("--attention-backend", choices=sorted(ATTENTION_PARTS), default="cpu",
-                        help="the C++ kernel (the default on a CPU) or the torch reference")
+    parser.add_argument(
+        "--attention-backend",
+        choices=sorted(ATTENTION_PARTS),
+        default="cpu",
+        help="the C++ kernel (the default on a CPU) or the torch reference",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--no-packed-weights", action="store_true",
-                        help="F.linear on plain weights instead of oneDNN's packed ones (paged/model/packed_linear.py)")
+    parser.add_argument(
+        "--no-packed-weights",
+        action="store_true",
+        help="F.linear on plain weights instead of oneDNN's packed ones (paged/model/packed_linear.py)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.no_packed_weights:
@@ -109,8 +116,15 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_hf_model()
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=getattr(torch, args.dtype), num_blocks=2048,
-              max_num_seqs=args.num_prompts, attention_backend=args.attention_backend)
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        device="cpu",
+        dtype=getattr(torch, args.dtype),
+        num_blocks=2048,
+        max_num_seqs=args.num_prompts,
+        attention_backend=args.attention_backend,
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for prompt in chat_prompts(tokenizer, args.num_prompts):
@@ -120,10 +134,12 @@ def main():
     context = max(seq.num_tokens for seq in engine.scheduler.running)
     plain_ms, outside_ms, wall_ms, parts = profile_steps(engine, args.steps)
     packed = "packed" if engine.model.layers[0].qkv.is_mkldnn else "plain"
-    print(f"decode steps at batch {args.num_prompts}, context about {context} tokens, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s), {engine.model.backend.name} attention, {packed} weights: "
-          f"{plain_ms:.1f} ms a step ({outside_ms:.1f} ms of it outside the model's forward pass), "
-          f"{wall_ms:.1f} ms under the profiler")
+    print(
+        f"decode steps at batch {args.num_prompts}, context about {context} tokens, {args.dtype}, "
+        f"{torch.get_num_threads()} thread(s), {engine.model.backend.name} attention, {packed} weights: "
+        f"{plain_ms:.1f} ms a step ({outside_ms:.1f} ms of it outside the model's forward pass), "
+        f"{wall_ms:.1f} ms under the profiler"
+    )
     for name, ms in sorted(parts.items(), key=lambda item: -item[1]):
         print(f"  {name:<58} {ms:7.1f} ms {ms / wall_ms:6.1%}")
 

@@ -34,11 +34,30 @@ from paged.analysis.traces import sharegpt_trace
 from paged.model.loader import chat_prompt, load_hf_model, load_model
 from paged.model.packed_linear import linear
 
-TOPICS = ["the ocean", "volcanoes", "the history of tea", "black holes", "bees", "the printing press", "jazz",
-          "glaciers", "the Roman roads", "photosynthesis", "chess openings", "the moon landing", "origami",
-          "coral reefs", "the violin", "desert plants"]
-ASKS = ["Tell me three facts about {}.", "Write a short poem about {}.", "Explain {} to a child.",
-        "What are common misconceptions about {}?"]
+TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "the history of tea",
+    "black holes",
+    "bees",
+    "the printing press",
+    "jazz",
+    "glaciers",
+    "the Roman roads",
+    "photosynthesis",
+    "chess openings",
+    "the moon landing",
+    "origami",
+    "coral reefs",
+    "the violin",
+    "desert plants",
+]
+ASKS = [
+    "Tell me three facts about {}.",
+    "Write a short poem about {}.",
+    "Explain {} to a child.",
+    "What are common misconceptions about {}?",
+]
 
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -55,15 +74,21 @@ def timed(fn):
 def steady_lengths(count: int, cap: int = 256, seed: int = 0) -> list[int]:
     """ShareGPT-like output lengths (mean 338, clipped at 1,024 by paged.analysis.traces), scaled so that 1,024 becomes cap."""
     trace = sharegpt_trace(count, seed=seed)
-    high = 2048 - 2048 // 2                                 # the trace's output clip, max_model_len - max_input_len
+    high = 2048 - 2048 // 2  # the trace's output clip, max_model_len - max_input_len
     return [max(1, round(r.output_len * cap / high)) for r in trace]
 
 
 def record_steps(engine, steps: list) -> None:
     """Appends (tokens computed, logits rows) of every step the engine runs from now on to steps: a sequence whose
     step reaches its last token samples from one logits row."""
-    engine.forward_observers.append(lambda plan: steps.append((plan.num_batched_tokens, sum(
-        1 for seq, n in plan.scheduled if seq.num_computed_tokens + n == seq.num_tokens))))
+    engine.forward_observers.append(
+        lambda plan: steps.append(
+            (
+                plan.num_batched_tokens,
+                sum(1 for seq, n in plan.scheduled if seq.num_computed_tokens + n == seq.num_tokens),
+            )
+        )
+    )
 
 
 def run_paged(model, tokenizer, prompts, lengths, steps=None, **engine_args):
@@ -83,14 +108,22 @@ def run_static(model, tokenizer, prompts, lengths, batch_size):
     """Static batches in arrival order; each batch runs until its longest request is done."""
     outputs, total = [], 0.0
     for start in range(0, len(prompts), batch_size):
-        batch, wanted = prompts[start:start + batch_size], lengths[start:start + batch_size]
+        batch, wanted = prompts[start : start + batch_size], lengths[start : start + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in batch])  # left padding
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            out, seconds = timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=max(wanted),
-                                                        min_new_tokens=max(wanted), do_sample=False,
-                                                        eos_token_id=None, pad_token_id=tokenizer.pad_token_id))
+            out, seconds = timed(
+                lambda: model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=max(wanted),
+                    min_new_tokens=max(wanted),
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            )
         total += seconds
         outputs += [row[:n] for row, n in zip(out[:, width:].tolist(), wanted)]
     return outputs, total
@@ -99,13 +132,15 @@ def run_static(model, tokenizer, prompts, lengths, batch_size):
 def run_hf_continuous(model, prompts, lengths, max_running):
     """transformers' continuous batching (the manager behind `generate_batch`), one max_new_tokens per request."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
+
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(max_requests_per_batch=max_running)
 
     def generate():
         results = {}
-        with model.continuous_batching_context_manager(generation_config=config,
-                                                       continuous_batching_config=batching) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=batching
+        ) as manager:
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
             while len(results) < len(ids):
                 result = manager.get_result(timeout=1)
@@ -120,10 +155,18 @@ def run_hf_continuous(model, prompts, lengths, max_running):
 def run_hf_single(model, prompt, max_tokens):
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out, seconds = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                    max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                                    eos_token_id=None, pad_token_id=0))
-    return out[0, ids.shape[1]:].tolist(), seconds
+        out, seconds = timed(
+            lambda: model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        )
+    return out[0, ids.shape[1] :].tolist(), seconds
 
 
 class Matmuls:
@@ -131,7 +174,7 @@ class Matmuls:
     the weights packed as the engine packs them (paged/model/packed_linear.py)."""
 
     def __init__(self, model):
-        paged, _ = load_model(model)   # the engine's own fused (and, where it packs, packed) weights
+        paged, _ = load_model(model)  # the engine's own fused (and, where it packs, packed) weights
         self.layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in paged.layers]
         self.lm_head = paged.lm_head
         self.hidden_size, self.dtype = model.config.hidden_size, model.dtype
@@ -144,7 +187,7 @@ class Matmuls:
         def one_step():
             x = hidden
             for qkv, o, gate_up, down in self.layers:
-                q = linear(x, qkv)[:, :o.shape[1]]                 # the attention itself is left out
+                q = linear(x, qkv)[:, : o.shape[1]]  # the attention itself is left out
                 x = x + linear(q, o)
                 gate, up = linear(x, gate_up).chunk(2, dim=-1)
                 x = x + linear(gate * up, down)
@@ -157,9 +200,11 @@ class Matmuls:
         """The matmuls of every step an engine ran, (tokens, logits rows) each, summed; each distinct shape is timed
         once, up to 64 rows exactly, above that at the nearest of a grid 1/8 apart (a matmul's time grows about
         linearly there)."""
+
         def near(tokens):
             grid = 2 ** (tokens.bit_length() - 1) // 8
             return tokens if tokens <= 64 else round(tokens / grid) * grid
+
         counts = collections.Counter((near(tokens), rows) for tokens, rows in steps)
         return sum(count * self.seconds(tokens, rows) for (tokens, rows), count in counts.items())
 
@@ -167,12 +212,16 @@ class Matmuls:
 def ttft_prefix_hit(model, tokenizer, system_tokens: int = 1500):
     """Seconds to the first token of a chat request whose long system prompt is cold, then cached."""
     system = " ".join(["Answer carefully, cite your reasoning, and keep to the facts."] * (system_tokens // 12))
+
     def messages(q):
         return [{"role": "system", "content": system}, {"role": "user", "content": q}]
+
     def prompt(q):
         return tokenizer.apply_chat_template(messages(q), tokenize=False, add_generation_prompt=True)
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, enable_prefix_caching=True,
-              num_blocks=512)
+
+    llm = LLM(
+        model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, enable_prefix_caching=True, num_blocks=512
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     cold = llm.generate([prompt("What is a prime number?")], params, use_tqdm=False)[0]
     hit = llm.generate([prompt("Name a large mammal.")], params, use_tqdm=False)[0]
@@ -181,8 +230,16 @@ def ttft_prefix_hit(model, tokenizer, system_tokens: int = 1500):
 
 def decode_stall(model, tokenizer, prompts, chunked: bool, long_prompt_tokens: int = 1500, budget: int = 256):
     """Per-step latencies of 16 running decodes while one long prompt arrives: p50 and p99 seconds."""
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=1024,
-              enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else 2048, max_num_seqs=32)
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        device="cpu",
+        dtype=torch.float32,
+        num_blocks=1024,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget if chunked else 2048,
+        max_num_seqs=32,
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for p in prompts[:16]:
@@ -190,8 +247,11 @@ def decode_stall(model, tokenizer, prompts, chunked: bool, long_prompt_tokens: i
     step_times = []
     for step in range(30):
         if step == 5:
-            engine.add_request(engine.make_request(list(range(100, 100 + long_prompt_tokens)),
-                                                   SamplingParams(max_tokens=4, temperature=0.0)))
+            engine.add_request(
+                engine.make_request(
+                    list(range(100, 100 + long_prompt_tokens)), SamplingParams(max_tokens=4, temperature=0.0)
+                )
+            )
         decodes_before = sum(1 for s in engine.scheduler.running if s.num_tokens - s.num_computed_tokens == 1)
         _, seconds = timed(engine.step)
         if decodes_before:
@@ -200,8 +260,9 @@ def decode_stall(model, tokenizer, prompts, chunked: bool, long_prompt_tokens: i
     return statistics.median(step_times), step_times[min(len(step_times) - 1, int(0.99 * len(step_times)))]
 
 
-def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args,
-             prefix_caching: bool = False) -> dict[str, tuple[float, float]]:
+def workload(
+    model, tokenizer, prompts, lengths, max_running, static_batch, args, prefix_caching: bool = False
+) -> dict[str, tuple[float, float]]:
     """{engine: (useful tokens per second, share of tokens equal to the paged engine's)} over one workload."""
     new_tokens = sum(lengths)
     rows = {}
@@ -209,10 +270,12 @@ def workload(model, tokenizer, prompts, lengths, max_running, static_batch, args
     steps = []
     ours, seconds = run_paged(model, tokenizer, prompts, lengths, steps=steps, **paged)
     rows["paged"] = (new_tokens / seconds, 1.0)
-    matmuls = Matmuls(model)   # timed next to the paged run, so that a machine that drifts moves both alike
-    ceilings = {f"matmul-only ceiling at batch {max_running}":
-                max_running / matmuls.seconds(max_running, max_running, repeats=5),
-                CEILING: new_tokens / matmuls.workload_seconds(steps)}
+    matmuls = Matmuls(model)  # timed next to the paged run, so that a machine that drifts moves both alike
+    ceilings = {
+        f"matmul-only ceiling at batch {max_running}": max_running
+        / matmuls.seconds(max_running, max_running, repeats=5),
+        CEILING: new_tokens / matmuls.workload_seconds(steps),
+    }
     theirs, seconds = run_paged(model, tokenizer, prompts, lengths, attention_backend="torch", **paged)
     rows["paged, torch reference attention"] = (new_tokens / seconds, agreement(ours, theirs))
     if prefix_caching:
@@ -231,7 +294,7 @@ def report(rows: dict[str, tuple[float, float]]) -> None:
     paged = rows["paged"][0]
     print(f"{'engine':<52} {'tok/s':>8} {'paged is':>10} {'same tokens':>12}")
     for name, (rate, same) in rows.items():
-        agreement_cell = f"{same:12.1%}" if same == same else ""   # nan: a ceiling computes no tokens
+        agreement_cell = f"{same:12.1%}" if same == same else ""  # nan: a ceiling computes no tokens
         print(f"{name:<52} {rate:8.1f} {paged / rate:9.2f}x {agreement_cell}")
     ratio = paged / rows[CEILING][0]
     print(f"  paged reaches {ratio:.0%} of the {CEILING}")
@@ -244,15 +307,23 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=128, help="fixed workload: new tokens each")
     parser.add_argument("--static-batch", type=int, default=8, help="fixed workload: static batch size")
     parser.add_argument("--num-requests", type=int, default=256, help="steady workload: requests")
-    parser.add_argument("--max-running", type=int, default=64, help="steady workload: requests running at a time "
-                                                                        "(and the static batch size)")
+    parser.add_argument(
+        "--max-running",
+        type=int,
+        default=64,
+        help="steady workload: requests running at a time (and the static batch size)",
+    )
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--skip-batch-one", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for every engine (default: torch's); 1 keeps a shared machine's other "
-                             "processes from stalling every parallel op at its barrier")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for every engine (default: torch's); 1 keeps a shared machine's other "
+        "processes from stalling every parallel op at its barrier",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -262,36 +333,56 @@ def main():
 
     if "fixed" in args.workloads:
         prompts = chat_prompts(tokenizer, args.num_prompts)
-        print(f"\nfixed: {args.num_prompts} chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
-              f"{args.max_tokens} new tokens each")
-        report(workload(model, tokenizer, prompts, [args.max_tokens] * len(prompts), args.num_prompts,
-                        args.static_batch, args, prefix_caching=True))
+        print(
+            f"\nfixed: {args.num_prompts} chat prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens), "
+            f"{args.max_tokens} new tokens each"
+        )
+        report(
+            workload(
+                model,
+                tokenizer,
+                prompts,
+                [args.max_tokens] * len(prompts),
+                args.num_prompts,
+                args.static_batch,
+                args,
+                prefix_caching=True,
+            )
+        )
     if "steady" in args.workloads:
         prompts = chat_prompts(tokenizer, args.num_requests)
         lengths = steady_lengths(args.num_requests)
-        print(f"\nsteady: {args.num_requests} chat requests, output lengths ShareGPT-like scaled to <= 256 "
-              f"(mean {statistics.mean(lengths):.0f}, median {statistics.median(lengths):.0f}, max {max(lengths)}), "
-              f"{args.max_running} running at a time")
+        print(
+            f"\nsteady: {args.num_requests} chat requests, output lengths ShareGPT-like scaled to <= 256 "
+            f"(mean {statistics.mean(lengths):.0f}, median {statistics.median(lengths):.0f}, max {max(lengths)}), "
+            f"{args.max_running} running at a time"
+        )
         report(workload(model, tokenizer, prompts, lengths, args.max_running, args.max_running, args))
 
     if not args.skip_batch_one:
         prompt = chat_prompts(tokenizer, 1)[0]
         ours, seconds = run_paged(model, tokenizer, [prompt], [args.max_tokens], num_blocks=256)
         theirs, hf_seconds = run_hf_single(model, prompt, args.max_tokens)
-        print(f"\nbatch 1, one chat stream of {args.max_tokens} tokens: paged {args.max_tokens / seconds:.1f} tok/s, "
-              f"hf generate {args.max_tokens / hf_seconds:.1f} tok/s: paged is {hf_seconds / seconds:.2f}x "
-              f"(same tokens {agreement(ours, [theirs]):.0%})")
+        print(
+            f"\nbatch 1, one chat stream of {args.max_tokens} tokens: paged {args.max_tokens / seconds:.1f} tok/s, "
+            f"hf generate {args.max_tokens / hf_seconds:.1f} tok/s: paged is {hf_seconds / seconds:.2f}x "
+            f"(same tokens {agreement(ours, [theirs]):.0%})"
+        )
 
     if not args.skip_latency:
         prompts = chat_prompts(tokenizer, 16)
         length, cold, hit, hits = ttft_prefix_hit(model, tokenizer)
-        print(f"\nTTFT, {length}-token prompt with a shared system prompt: cold {cold * 1e3:.0f} ms, "
-              f"prefix hit {hit * 1e3:.0f} ms ({hits} tokens reused): {cold / hit:.1f}x lower")
+        print(
+            f"\nTTFT, {length}-token prompt with a shared system prompt: cold {cold * 1e3:.0f} ms, "
+            f"prefix hit {hit * 1e3:.0f} ms ({hits} tokens reused): {cold / hit:.1f}x lower"
+        )
         for chunked in (False, True):
             p50, p99 = decode_stall(model, tokenizer, prompts, chunked)
             label = "chunked prefill (budget 256)" if chunked else "no chunking"
-            print(f"decode step latency while a 1,500-token prompt arrives, {label:<28}: "
-                  f"p50 {p50 * 1e3:6.0f} ms, p99 {p99 * 1e3:6.0f} ms")
+            print(
+                f"decode step latency while a 1,500-token prompt arrives, {label:<28}: "
+                f"p50 {p50 * 1e3:6.0f} ms, p99 {p99 * 1e3:6.0f} ms"
+            )
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:

@@ -19,11 +19,30 @@ import time
 
 import torch
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def random_llama(settings: dict, dtype: torch.dtype, folder) -> str:
@@ -31,16 +50,18 @@ def random_llama(settings: dict, dtype: torch.dtype, folder) -> str:
     pickled to each worker whole)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**settings)).to(dtype).save_pretrained(folder)
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(settings["vocab_size"])}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(folder)   # one word per id
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(folder)  # one word per id
     return str(folder)
 
 
 def greedy(llm, prompts, max_tokens):
     from paged import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     return [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -48,6 +69,7 @@ def greedy(llm, prompts, max_tokens):
 def decode_rate(llm, batch: int, prompt_len: int, max_tokens: int) -> float:
     """Decoded tokens per second at `batch` sequences: (time of max_tokens) - (time of 1), over the tokens between."""
     from paged import SamplingParams
+
     prompts = [[(7 * i + j) % 200 + 1 for j in range(prompt_len)] for i in range(batch)]
 
     def timed(tokens):
@@ -69,18 +91,27 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,16,64")
     args = parser.parse_args(argv)
     from paged import LLM
+
     if args.dry:
         device, settings, batches, prompt_len, new = "cpu", TINY, [1, 4], 16, 8
     else:
         if torch.cuda.device_count() < 2:
             print(f"tensor parallelism: skipped, {torch.cuda.device_count()} CUDA device(s) (it needs two)")
             return 0
-        device, settings, batches, prompt_len, new = "cuda", LLAMA3_8B, [int(b) for b in args.batch_sizes.split(",")], \
-            512, 32
+        device, settings, batches, prompt_len, new = (
+            "cuda",
+            LLAMA3_8B,
+            [int(b) for b in args.batch_sizes.split(",")],
+            512,
+            32,
+        )
     prompts = [[(11 * i + j) % 200 + 1 for j in range(64)] for i in range(4)]
     engine = dict(device=device, num_blocks=1024, block_size=16)
-    print(f"model: Llama-3-8B-shaped, random weights (fp32: 2 layers; bf16: {settings['num_hidden_layers']})"
-          if not args.dry else "model: tiny random Llama, two gloo ranks on the CPU")
+    print(
+        f"model: Llama-3-8B-shaped, random weights (fp32: 2 layers; bf16: {settings['num_hidden_layers']})"
+        if not args.dry
+        else "model: tiny random Llama, two gloo ranks on the CPU"
+    )
     scratch = tempfile.TemporaryDirectory()
     model = random_llama({**settings, "num_hidden_layers": 2}, torch.float32, f"{scratch.name}/fp32")
     one = greedy(LLM(model=model, dtype=torch.float32, **engine), prompts, new)
@@ -93,15 +124,19 @@ def main(argv=None) -> int:
             print(f"fp32 prompt {i}: tp=2 = tp=1, all {len(a.token_ids)} tokens")
         else:
             top = sorted((e.logprob for e in a.logprobs[at].values()), reverse=True)
-            print(f"fp32 prompt {i}: equal for {at} tokens, then parts where tp=1's top two log-probs are "
-                  f"{top[0] - top[1]:.2e} apart")
+            print(
+                f"fp32 prompt {i}: equal for {at} tokens, then parts where tp=1's top two log-probs are "
+                f"{top[0] - top[1]:.2e} apart"
+            )
     dtype = torch.float32 if args.dry else torch.bfloat16
     model = random_llama(settings, dtype, f"{scratch.name}/{dtype}")
     for size in (1, 2):
         llm = LLM(model=model, dtype=dtype, tensor_parallel_size=size, **engine)
         rates = {b: decode_rate(llm, b, prompt_len, new) for b in batches}
-        print(f"{str(dtype).split('.')[-1]} decode, tensor_parallel_size={size}: "
-              + ", ".join(f"{rate:.0f} tok/s at batch {b}" for b, rate in rates.items()))
+        print(
+            f"{str(dtype).split('.')[-1]} decode, tensor_parallel_size={size}: "
+            + ", ".join(f"{rate:.0f} tok/s at batch {b}" for b, rate in rates.items())
+        )
         llm.shutdown()
     return 0
 

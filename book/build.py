@@ -28,17 +28,32 @@ VENDOR = ROOT / "build" / "vendor"
 FONTS = ["*.woff2", "*.woff", "*.ttf", "*.eot", "*.svg"]
 ASSETS = {
     "requirejs@2.3.8": [(".", ["require.js"], "_static/requirejs")],
-    "@jupyter-widgets/html-manager@1.0.15": [("dist", ["embed-amd.js"] + FONTS, "@jupyter-widgets/html-manager/dist"),
-                                             ("dist", FONTS, "@jupyter-widgets")],
-    "mathjax@2.7.9": [(".", ["MathJax.js", "config/TeX-AMS_CHTML-full.js", "config/Safe.js", "extensions/**/*.js",
-                             "jax/element/**/*.js", "jax/input/TeX/**/*.js", "jax/output/CommonHTML/**/*.js",
-                             "fonts/HTML-CSS/TeX/woff/**/*.woff"], "_static/mathjax")],
+    "@jupyter-widgets/html-manager@1.0.15": [
+        ("dist", ["embed-amd.js"] + FONTS, "@jupyter-widgets/html-manager/dist"),
+        ("dist", FONTS, "@jupyter-widgets"),
+    ],
+    "mathjax@2.7.9": [
+        (
+            ".",
+            [
+                "MathJax.js",
+                "config/TeX-AMS_CHTML-full.js",
+                "config/Safe.js",
+                "extensions/**/*.js",
+                "jax/element/**/*.js",
+                "jax/input/TeX/**/*.js",
+                "jax/output/CommonHTML/**/*.js",
+                "fonts/HTML-CSS/TeX/woff/**/*.woff",
+            ],
+            "_static/mathjax",
+        )
+    ],
 }
 STATIC_URLS = {  # what the pages ask nbconvert's template to load, relative to the page
     "require_js_url": "_static/requirejs/require.js",
     "widget_renderer_url": "@jupyter-widgets/html-manager/dist/embed-amd.js",
     "mathjax_url": "_static/mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe",
-    "mermaid_js_url": "",                 # no chapter draws a diagram: load nothing
+    "mermaid_js_url": "",  # no chapter draws a diagram: load nothing
     "mermaid_layout_elk_js_url": "",
 }
 

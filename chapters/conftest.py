@@ -11,8 +11,8 @@ import re
 
 import needs
 
-os.environ["PAGED_CHECK_SOLUTIONS"] = "1"   # read by chapters/exercises.py in the notebooks' kernels
-if needs.WHAT_IS_MISSING["cpu_kernel"]():    # the kernels nbval starts inherit it
+os.environ["PAGED_CHECK_SOLUTIONS"] = "1"  # read by chapters/exercises.py in the notebooks' kernels
+if needs.WHAT_IS_MISSING["cpu_kernel"]():  # the kernels nbval starts inherit it
     os.environ["PYTHONWARNINGS"] = "ignore:the CPU paged-attention kernel could not be built:RuntimeWarning"
 
 

@@ -23,8 +23,11 @@ def unanswered(answer) -> bool:
 def matches(answer, expected, tolerance: float = 0.0) -> bool:
     """Equal, or within `tolerance` for numbers; tuples part by part."""
     if isinstance(expected, tuple):
-        return (isinstance(answer, tuple) and len(answer) == len(expected)
-                and all(matches(a, e, tolerance) for a, e in zip(answer, expected)))
+        return (
+            isinstance(answer, tuple)
+            and len(answer) == len(expected)
+            and all(matches(a, e, tolerance) for a, e in zip(answer, expected))
+        )
     numbers = (int, float)
     if isinstance(expected, numbers) and isinstance(answer, numbers) and not isinstance(expected, bool):
         return abs(answer - expected) <= tolerance
@@ -54,11 +57,13 @@ class Exercises:
             return
         expected = expected() if callable(expected) else expected
         assert matches(answer, expected, tolerance), f"exercise {name}: {answer!r} is not it" + (
-            f". Hint: {hint}" if hint else "")
+            f". Hint: {hint}" if hint else ""
+        )
         print(f"exercise {name}: correct")
 
     def _check_solution(self, name, expected, tolerance):
         assert name in self.answers, f"solutions/{self.chapter}.py has no answer to exercise {name}"
         expected = expected() if callable(expected) else expected
-        assert matches(self.answers[name], expected, tolerance), \
+        assert matches(self.answers[name], expected, tolerance), (
             f"solutions/{self.chapter}.py, exercise {name}: {self.answers[name]!r}, but the check computes {expected!r}"
+        )

@@ -23,28 +23,32 @@ from paged.validation import integer, real
 
 @dataclass
 class BeamSearchSequence:
-    token_ids: list[int]          # generated tokens
+    token_ids: list[int]  # generated tokens
     cum_logprob: float
     text: str
-    finished: bool                # ended in EOS (rather than at max_tokens)
+    finished: bool  # ended in EOS (rather than at max_tokens)
 
 
 @dataclass
 class BeamSearchOutput:
     prompt_token_ids: list[int]
-    sequences: list[BeamSearchSequence]                       # best first
-    block_usage: list[tuple[int, int]] = field(default_factory=list)  # per forward pass: (physical blocks,
-                                                                      # block-table entries) of the live beams
+    sequences: list[BeamSearchSequence]  # best first
+    # per forward pass: (physical blocks, block-table entries) of the live beams
+    block_usage: list[tuple[int, int]] = field(default_factory=list)
 
 
-def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0) -> list[BeamSearchOutput]:
+def beam_search(
+    engine, prompts, beam_width: int, max_tokens: int, length_penalty: float = 1.0
+) -> list[BeamSearchOutput]:
     engine.require_idle("beam_search")
     vocab = engine.model.vocab_size
     beam_width, max_num_seqs = integer("beam_width", beam_width, low=1), engine.scheduler.max_num_seqs
     if beam_width > min(vocab // 2, max_num_seqs):
-        raise ValueError(f"beam_width ({beam_width}) must be at most {min(vocab // 2, max_num_seqs)}: every beam is a "
-                         f"running sequence (max_num_seqs is {max_num_seqs}), and each step ranks 2 x beam_width "
-                         f"candidates per beam from a vocabulary of {vocab}")
+        raise ValueError(
+            f"beam_width ({beam_width}) must be at most {min(vocab // 2, max_num_seqs)}: every beam is a "
+            f"running sequence (max_num_seqs is {max_num_seqs}), and each step ranks 2 x beam_width "
+            f"candidates per beam from a vocabulary of {vocab}"
+        )
     length_penalty = real("length_penalty", length_penalty)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     requests = [engine.make_request(p, params) for p in prompts]  # validates every prompt first
@@ -55,16 +59,23 @@ def beam_search(engine, prompts, beam_width: int, max_tokens: int, length_penalt
     limits = [min(max_tokens, engine.max_model_len - len(r.prompt_token_ids)) for r in requests]
     # Beams of one prompt must advance together, so a prompt runs only while all its beams fit at full length,
     # with one spare block per beam for a copy-on-write.
-    need = [beam_width * (cdiv(len(r.prompt_token_ids) + limit, manager.block_size) + 1)
-            for r, limit in zip(requests, limits)]
+    need = [
+        beam_width * (cdiv(len(r.prompt_token_ids) + limit, manager.block_size) + 1)
+        for r, limit in zip(requests, limits)
+    ]
     if max(need) > manager.num_blocks:
-        raise ValueError(f"beam_width={beam_width} beams of up to {max_tokens} new tokens need {max(need)} blocks; "
-                         f"the pool has {manager.num_blocks}: lower beam_width or max_tokens, or raise num_blocks")
+        raise ValueError(
+            f"beam_width={beam_width} beams of up to {max_tokens} new tokens need {max(need)} blocks; "
+            f"the pool has {manager.num_blocks}: lower beam_width or max_tokens, or raise num_blocks"
+        )
     outputs, start = [], 0
     while start < len(requests):  # as many prompts at once as the pool holds
         end, blocks = start, 0
-        while end < len(requests) and blocks + need[end] <= manager.num_blocks \
-                and (end - start + 1) * beam_width <= engine.scheduler.max_num_seqs:
+        while (
+            end < len(requests)
+            and blocks + need[end] <= manager.num_blocks
+            and (end - start + 1) * beam_width <= engine.scheduler.max_num_seqs
+        ):
             blocks += need[end]
             end += 1
         outputs += _search_group(engine, requests[start:end], beam_width, length_penalty)
@@ -85,18 +96,21 @@ def _search_group(engine, requests, beam_width, length_penalty):
             engine.requests.pop(request.request_id, None)
     results = []
     for request in requests:
-        ranked = sorted(done[request.request_id],
-                        key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[:beam_width]
-        sequences = [BeamSearchSequence(tokens, score, engine.output_processor.decode(tokens), ended)
-                     for tokens, score, ended in ranked]
+        ranked = sorted(done[request.request_id], key=lambda d: -d[1] / max(len(d[0]), 1) ** length_penalty)[
+            :beam_width
+        ]
+        sequences = [
+            BeamSearchSequence(tokens, score, engine.output_processor.decode(tokens), ended)
+            for tokens, score, ended in ranked
+        ]
         results.append(BeamSearchOutput(request.prompt_token_ids, sequences, usage[request.request_id]))
     return results
 
 
 def _search(engine, requests, beam_width):
     """Step the group's beams until every prompt is done."""
-    live = {r.request_id: [(r.seqs[0], 0.0)] for r in requests}        # request -> [(sequence, cum logprob)]
-    done = {r.request_id: [] for r in requests}                        # request -> [(tokens, cum logprob, eos?)]
+    live = {r.request_id: [(r.seqs[0], 0.0)] for r in requests}  # request -> [(sequence, cum logprob)]
+    done = {r.request_id: [] for r in requests}  # request -> [(tokens, cum logprob, eos?)]
     usage = {r.request_id: [] for r in requests}
     while any(live.values()):
         with engine.transaction():  # a beam step happens whole or not at all, as LLMEngine.step does
@@ -116,7 +130,7 @@ def _step(engine, requests, live, done, usage, beam_width) -> None:
         _record_usage(engine, live[request.request_id], usage[request.request_id])
     engine.begin_forward(plan)
     logits, sampled, _ = engine.model_runner.forward(plan, scheduler.running)
-    logprobs = torch.log_softmax(logits, dim=-1)                   # [len(sampled), vocab]
+    logprobs = torch.log_softmax(logits, dim=-1)  # [len(sampled), vocab]
     row_of = {seq.seq_id: row for seq, row in sampled}
     chosen, dropped = [], []
     for request in requests:
@@ -170,4 +184,4 @@ def _record_usage(engine, beams, history) -> None:
     if not beams or beams[0][0].is_waiting:
         return  # finished, or its prompt waits for room in the token budget
     tables = [engine.block_manager.block_tables[seq.seq_id] for seq, _ in beams]
-    history.append((len({block for table in tables for block in table}), sum(map(len, tables))))   # (physical, logical)
+    history.append((len({block for table in tables for block in table}), sum(map(len, tables))))  # (physical, logical)

@@ -65,8 +65,8 @@ HEARTBEAT_S = 1.0  # a busy worker says it is alive at least this often
 # One direction of the links a handoff may cross between machines' GPUs, in bytes/s (datasheet peaks; a real
 # transfer gets less). The handoff of a request costs its prompt's K/V bytes over one of these.
 LINKS = {
-    "PCIe Gen5 x16": 64e9,                  # 32 GT/s x 16 lanes each way, before 128b/130b coding (~63 after)
-    "NVLink 4 (H100 SXM)": 450e9,           # 900 GB/s per GPU, both directions together
+    "PCIe Gen5 x16": 64e9,  # 32 GT/s x 16 lanes each way, before 128b/130b coding (~63 after)
+    "NVLink 4 (H100 SXM)": 450e9,  # 900 GB/s per GPU, both directions together
     "RDMA, 400 Gb/s InfiniBand NDR": 50e9,  # one NIC; a DGX H100 has eight
 }
 
@@ -85,13 +85,14 @@ class WorkerError(RuntimeError):
 @dataclasses.dataclass
 class Handoff:
     """What travels over the pipe beside a request's K/V blocks."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
     num_blocks: int
-    digest: str | None          # sha256 of the blocks' bytes as sent, when verify_transfers
+    digest: str | None  # sha256 of the blocks' bytes as sent, when verify_transfers
 
 
 def free_port() -> int:
@@ -106,12 +107,15 @@ def kv_digest(kv: torch.Tensor) -> str:
 
 # ---- the workers (each in its own process) -------------------------------------------------------------------------
 
+
 def _build_llm(model_spec, device, config: EngineConfig, model_args: dict, kv_connector):
     from paged.engine.llm import LLM
+
     if model_spec == "smollm2":
         model = "smollm2"
     else:
         from transformers import AutoModelForCausalLM
+
         hf_config, state_dict = model_spec
         model = AutoModelForCausalLM.from_config(hf_config)
         model.load_state_dict(state_dict)
@@ -129,9 +133,13 @@ def _worker_main(role, model_spec, config, model_args, device, port, num_threads
         llm = _build_llm(model_spec, device, config, model_args, connector)
         backend = "nccl" if torch.device(device).type == "cuda" and torch.cuda.device_count() > 1 else "gloo"
         # A send may wait long for a crowded decode pool to make room; liveness is the caller's watch, not this.
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                rank=PREFILL_RANK if role == "prefill" else DECODE_RANK, world_size=2,
-                                timeout=timedelta(days=1))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=PREFILL_RANK if role == "prefill" else DECODE_RANK,
+            world_size=2,
+            timeout=timedelta(days=1),
+        )
         engine = llm.engine
         caller_conn.send(("ready", engine.config))  # completed with the model's limits and the pool's size
         worker = PrefillWorker if role == "prefill" else DecodeWorker
@@ -205,8 +213,20 @@ class PrefillWorker(_Worker):
         if self.host_staging:
             kv = kv.cpu()
         params = self.original_params[request.request_id]
-        self.peer.send(("handoff", Handoff(request.request_id, request.prompt, request.prompt_token_ids, params,
-                                           request.metrics, kv.shape[2], kv_digest(kv) if self.verify else None)))
+        self.peer.send(
+            (
+                "handoff",
+                Handoff(
+                    request.request_id,
+                    request.prompt,
+                    request.prompt_token_ids,
+                    params,
+                    request.metrics,
+                    kv.shape[2],
+                    kv_digest(kv) if self.verify else None,
+                ),
+            )
+        )
         dist.send(kv, dst=DECODE_RANK)
         return request.request_id
 
@@ -223,8 +243,11 @@ class DecodeWorker(_Worker):
     def serve(self) -> None:
         engine = self.engine
         while True:
-            if self.pending is None and not self.stopping and (not engine.has_unfinished_requests()
-                                                               or self.peer.poll()):
+            if (
+                self.pending is None
+                and not self.stopping
+                and (not engine.has_unfinished_requests() or self.peer.poll())
+            ):
                 message = self.peer.recv()
                 if message[0] == "stop":
                     self.stopping = True
@@ -236,8 +259,10 @@ class DecodeWorker(_Worker):
                 continue
             if not engine.has_unfinished_requests():
                 if self.pending is not None:
-                    raise RuntimeError(f"request {self.pending.request_id} does not fit the idle decode pool "
-                                       f"(a bug: requests are validated to fit it)")
+                    raise RuntimeError(
+                        f"request {self.pending.request_id} does not fit the idle decode pool "
+                        f"(a bug: requests are validated to fit it)"
+                    )
                 if self.stopping:
                     return
                 continue
@@ -258,22 +283,32 @@ class DecodeWorker(_Worker):
         first token to be sampled here (its metrics keep when it arrived and was first scheduled)."""
         engine = self.engine
         start = time.perf_counter()
-        storage = engine.kv_cache.storage                     # [2, layers, num_blocks, block_size, heads, dim]
+        storage = engine.kv_cache.storage  # [2, layers, num_blocks, block_size, heads, dim]
         shape = (2, storage.shape[1], handoff.num_blocks, *storage.shape[3:])
         staging = torch.empty(shape, dtype=storage.dtype, device="cpu" if self.host_staging else storage.device)
         dist.recv(staging, src=PREFILL_RANK)
         seconds = time.perf_counter() - start
         metrics = RequestMetrics(handoff.metrics.arrival_time, handoff.metrics.first_scheduled_time)
         engine.kv_connector.receive(handoff.request_id, staging)
-        engine.add_request(Request(handoff.request_id, handoff.prompt, handoff.prompt_token_ids, handoff.params,
-                                   metrics))
+        engine.add_request(
+            Request(handoff.request_id, handoff.prompt, handoff.prompt_token_ids, handoff.params, metrics)
+        )
         received = kv_digest(staging) if self.verify else None
-        self.tell_caller("transfer", {"request_id": handoff.request_id, "num_blocks": handoff.num_blocks,
-                                      "num_bytes": staging.numel() * staging.element_size(), "seconds": seconds,
-                                      "sent_digest": handoff.digest, "received_digest": received})
+        self.tell_caller(
+            "transfer",
+            {
+                "request_id": handoff.request_id,
+                "num_blocks": handoff.num_blocks,
+                "num_bytes": staging.numel() * staging.element_size(),
+                "seconds": seconds,
+                "sent_digest": handoff.digest,
+                "received_digest": received,
+            },
+        )
 
 
 # ---- the caller's side ---------------------------------------------------------------------------------------------
+
 
 def _model_spec(model):
     """What a worker needs to build the model: the bundled model's name, or a transformers Llama's config and
@@ -283,8 +318,7 @@ def _model_spec(model):
     if isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "model"):
         check_model(model)
         return model.config, {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-    raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, "
-                     f"got {model!r}")
+    raise ValueError(f"model must be 'smollm2' (the bundled model) or a transformers Llama model object, got {model!r}")
 
 
 def check_engine_args(config, block_size: int, device: torch.device, engine_args: dict) -> tuple[EngineConfig, dict]:
@@ -293,16 +327,20 @@ def check_engine_args(config, block_size: int, device: torch.device, engine_args
     Returns the engines' EngineConfig and the arguments that build the model (dtype, attention_backend)."""
     from paged.engine.llm import LLM
     from paged.engine.llm_engine import pool_blocks
+
     parameters = inspect.signature(LLM).parameters
     taken = {"model", "tokenizer", "block_size", "device", "config", "kv_connector"}  # DisaggregatedLLM's own
     for name in engine_args:
         if name not in parameters or name in taken:
-            raise ValueError(f"{name!r} is not an engine argument of DisaggregatedLLM; engine_args may be "
-                             f"{', '.join(sorted(parameters.keys() - taken))}")
+            raise ValueError(
+                f"{name!r} is not an engine argument of DisaggregatedLLM; engine_args may be "
+                f"{', '.join(sorted(parameters.keys() - taken))}"
+            )
     settings = EngineConfig(block_size=block_size, **{k: v for k, v in engine_args.items() if k in SETTINGS})
     if settings.preemption_mode != "recompute":
-        raise ValueError(f"preemption_mode {settings.preemption_mode!r} is not available for DisaggregatedLLM; "
-                         f"use 'recompute'")
+        raise ValueError(
+            f"preemption_mode {settings.preemption_mode!r} is not available for DisaggregatedLLM; use 'recompute'"
+        )
     if settings.enable_lora:
         raise ValueError("enable_lora is not available for DisaggregatedLLM: its generate() takes no lora_request")
     model_args = {k: v for k, v in engine_args.items() if k not in SETTINGS}
@@ -341,9 +379,19 @@ class DisaggregatedLLM:
     verify_transfers: hash every transfer on both sides (transfer_log() shows both digests).
     """
 
-    def __init__(self, model="smollm2", block_size: int = 16, *, device: str | torch.device | None = None,
-                 timeout: float = 120.0, startup_timeout: float = 600.0, num_threads: int | None = 1, verify_transfers: bool = False,
-                 tokenizer=None, **engine_args):
+    def __init__(
+        self,
+        model="smollm2",
+        block_size: int = 16,
+        *,
+        device: str | torch.device | None = None,
+        timeout: float = 120.0,
+        startup_timeout: float = 600.0,
+        num_threads: int | None = 1,
+        verify_transfers: bool = False,
+        tokenizer=None,
+        **engine_args,
+    ):
         timeout, startup_timeout = real("timeout", timeout), real("startup_timeout", startup_timeout)
         for name, seconds in (("timeout", timeout), ("startup_timeout", startup_timeout)):
             if seconds <= 0:
@@ -357,6 +405,7 @@ class DisaggregatedLLM:
             from transformers import AutoConfig
 
             from paged.model.loader import convert_gguf_to_cache
+
             config = AutoConfig.from_pretrained(convert_gguf_to_cache())
         else:
             config = spec[0]
@@ -367,6 +416,7 @@ class DisaggregatedLLM:
             from transformers import AutoTokenizer
 
             from paged.model.loader import convert_gguf_to_cache
+
             self.tokenizer = AutoTokenizer.from_pretrained(convert_gguf_to_cache())
         self._processes, self._conns, self._log, self._closed = {}, {}, [], False
         self._grace_s = [5.0]  # how long close() waits for a worker to stop by itself; short after a failure
@@ -376,14 +426,29 @@ class DisaggregatedLLM:
         port = free_port()
         for role, peer in (("prefill", peer_prefill), ("decode", peer_decode)):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker_main, name=f"paged-{role}-worker", daemon=True,
-                                      args=(role, spec, settings, model_args, devices[role], port, num_threads,
-                                            verify_transfers, theirs, peer))
+            process = context.Process(
+                target=_worker_main,
+                name=f"paged-{role}-worker",
+                daemon=True,
+                args=(
+                    role,
+                    spec,
+                    settings,
+                    model_args,
+                    devices[role],
+                    port,
+                    num_threads,
+                    verify_transfers,
+                    theirs,
+                    peer,
+                ),
+            )
             self._processes[role], self._conns[role] = process, ours
         for process in self._processes.values():
             process.start()
-        self._finalizer = weakref.finalize(self, DisaggregatedLLM._shutdown, self._processes, self._conns,
-                                          self._grace_s)
+        self._finalizer = weakref.finalize(
+            self, DisaggregatedLLM._shutdown, self._processes, self._conns, self._grace_s
+        )
         peer_prefill.close(), peer_decode.close()
         try:
             self.configs = self._wait_ready(startup_timeout)
@@ -408,16 +473,18 @@ class DisaggregatedLLM:
         for its peer to join before it is ready, so one that dies leaves the other waiting, silent)."""
         configs, deadline = {}, time.monotonic() + timeout
         while len(configs) < 2:
-            role, kind, payload = self._next_message(("prefill", "decode"), max(deadline - time.monotonic(), 0),
-                                                     "startup_timeout")
+            role, kind, payload = self._next_message(
+                ("prefill", "decode"), max(deadline - time.monotonic(), 0), "startup_timeout"
+            )
             if kind != "ready":
                 self._abort()
                 raise WorkerError(f"the {role} worker said {kind!r} before it was ready; both workers were stopped")
             configs[role] = payload
         return configs
 
-    def _next_message(self, roles=("prefill", "decode"), timeout: float | None = None,
-                      timeout_name: str = "timeout") -> tuple:
+    def _next_message(
+        self, roles=("prefill", "decode"), timeout: float | None = None, timeout_name: str = "timeout"
+    ) -> tuple:
         """The next message from one of the workers, as (role, kind, payload); a WorkerError (and both workers
         stopped) if one dies, raises, or none says anything for `timeout` seconds."""
         timeout = self.timeout if timeout is None else timeout
@@ -428,8 +495,10 @@ class DisaggregatedLLM:
         ready = multiprocessing.connection.wait(list(by_object), timeout)
         if not ready:
             self._abort()
-            raise WorkerError(f"no answer from the {' or '.join(roles)} worker in {timeout:g} s "
-                              f"({timeout_name}); both workers were stopped")
+            raise WorkerError(
+                f"no answer from the {' or '.join(roles)} worker in {timeout:g} s "
+                f"({timeout_name}); both workers were stopped"
+            )
         for obj in ready:  # messages first: a worker that raised says why before it exits
             if obj in self._conns.values():
                 role = by_object[obj]
@@ -444,8 +513,9 @@ class DisaggregatedLLM:
                 return role, message[0], (message[1] if len(message) > 1 else None)
         self._raise_death(wait_s=self.timeout)
         self._abort()
-        raise WorkerError(f"the {' or '.join(roles)} worker closed its pipe but did not exit; both workers "
-                          f"were stopped")
+        raise WorkerError(
+            f"the {' or '.join(roles)} worker closed its pipe but did not exit; both workers were stopped"
+        )
 
     def _raise_death(self, wait_s: float, roles=("prefill", "decode")) -> None:
         """If a worker has exited (or does within wait_s), stop the other and raise a WorkerError naming it."""
@@ -457,13 +527,15 @@ class DisaggregatedLLM:
         process = self._processes[role]
         process.join()
         self._abort()
-        raise WorkerError(f"the {role} worker (pid {process.pid}) died with exit code {process.exitcode}; "
-                          f"both workers were stopped")
+        raise WorkerError(
+            f"the {role} worker (pid {process.pid}) died with exit code {process.exitcode}; both workers were stopped"
+        )
 
     # ---- the public API -------------------------------------------------------------------------------------------
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`, as LLM.generate's."""
         if self._closed:
             raise WorkerError("this DisaggregatedLLM is closed (closed by close(), or after a worker failed)")
@@ -486,7 +558,7 @@ class DisaggregatedLLM:
             with tqdm(total=len(batch), desc="Generating", unit="req", disable=not use_tqdm) as bar:
                 while len(done) < len(batch):
                     _, kind, payload = self._next_message()
-                    if kind == "done":   # the workers have no tokenizer: the text is made here
+                    if kind == "done":  # the workers have no tokenizer: the text is made here
                         completion = payload.outputs[0]
                         completion.text = self._decode(completion.token_ids)
                         decode_logprobs(completion.logprobs or [], self.tokenizer)
@@ -519,9 +591,11 @@ class DisaggregatedLLM:
     def transfer_stats(self) -> dict:
         """Totals over every handoff so far: blocks and bytes of K/V moved, and the seconds the decode worker spent
         receiving them into its pool."""
-        return {"blocks_sent": sum(t["num_blocks"] for t in self._log),
-                "bytes_sent": sum(t["num_bytes"] for t in self._log),
-                "seconds": sum(t["seconds"] for t in self._log)}
+        return {
+            "blocks_sent": sum(t["num_blocks"] for t in self._log),
+            "bytes_sent": sum(t["num_bytes"] for t in self._log),
+            "seconds": sum(t["seconds"] for t in self._log),
+        }
 
     def transfer_log(self) -> list[dict]:
         """One record per handoff: request_id, num_blocks, num_bytes, seconds, and with verify_transfers the

@@ -20,12 +20,12 @@ import torch
 
 from paged.validation import block_size_of
 
-KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
-H100_SXM_BANDWIDTH = 3.35e12      # bytes/s, HBM3, NVIDIA H100 SXM datasheet
-H100_SXM_BF16_FLOPS = 989.4e12    # FLOP/s, dense bf16 tensor cores, same datasheet
-LLAMA3_70B_PARAMS = 70.6e9        # weights of Llama-3-70B, embeddings included
-H100_MEMORY = 81_559 * MiB        # an "80 GB" H100 as NVML (nvidia-smi) reports it: 81,559 MiB = 79.6 GiB = 85.5 GB
+H100_SXM_BANDWIDTH = 3.35e12  # bytes/s, HBM3, NVIDIA H100 SXM datasheet
+H100_SXM_BF16_FLOPS = 989.4e12  # FLOP/s, dense bf16 tensor cores, same datasheet
+LLAMA3_70B_PARAMS = 70.6e9  # weights of Llama-3-70B, embeddings included
+H100_MEMORY = 81_559 * MiB  # an "80 GB" H100 as NVML (nvidia-smi) reports it: 81,559 MiB = 79.6 GiB = 85.5 GB
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -62,15 +62,17 @@ class KVGeometry:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    element_bytes: int           # bytes of one cached number: 4 fp32, 2 fp16/bf16
-    num_attention_heads: int     # query heads; num_attention_heads / num_kv_heads queries share one K/V head (GQA)
+    element_bytes: int  # bytes of one cached number: 4 fp32, 2 fp16/bf16
+    num_attention_heads: int  # query heads; num_attention_heads / num_kv_heads queries share one K/V head (GQA)
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "element_bytes", "num_attention_heads"):
             _positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype) -> "KVGeometry":
@@ -79,8 +81,13 @@ class KVGeometry:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(num_layers=config.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   element_bytes=dtype_bytes(dtype), num_attention_heads=num_heads)
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            element_bytes=dtype_bytes(dtype),
+            num_attention_heads=num_heads,
+        )
 
     @classmethod
     def llama3_70b(cls) -> "KVGeometry":
@@ -158,8 +165,9 @@ def decode_step_flops_per_byte(geometry: KVGeometry, num_params: float, batch_si
     under the H100's ~295 FLOP/B ridge however large the batch.
     """
     _positive_int("batch_size", batch_size)
-    flops = batch_size * (2 * num_params + 4 * geometry.num_attention_heads * geometry.head_dim
-                          * context_len * geometry.num_layers)
+    flops = batch_size * (
+        2 * num_params + 4 * geometry.num_attention_heads * geometry.head_dim * context_len * geometry.num_layers
+    )
     bytes_read = num_params * geometry.element_bytes + batch_size * geometry.request_bytes(context_len)
     return flops / bytes_read
 
@@ -167,9 +175,16 @@ def decode_step_flops_per_byte(geometry: KVGeometry, num_params: float, batch_si
 def measure_hf_cache(cache) -> list[dict]:
     """Shapes and bytes of each layer of a transformers DynamicCache (cache.layers[i].keys / .values,
     each [batch, num_kv_heads, num_tokens, head_dim])."""
-    return [{"layer": i, "key_shape": tuple(layer.keys.shape), "value_shape": tuple(layer.values.shape),
-             "dtype": layer.keys.dtype, "bytes": layer.keys.nbytes + layer.values.nbytes}
-            for i, layer in enumerate(cache.layers)]
+    return [
+        {
+            "layer": i,
+            "key_shape": tuple(layer.keys.shape),
+            "value_shape": tuple(layer.values.shape),
+            "dtype": layer.keys.dtype,
+            "bytes": layer.keys.nbytes + layer.values.nbytes,
+        }
+        for i, layer in enumerate(cache.layers)
+    ]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -213,17 +228,23 @@ class WorkedExample:
     mean_tokens: int
     block_size: int
     budget_bytes: int
-    naive_request_bytes: int        # every request reserves max_model_len tokens
-    naive_reserved_bytes: int       # num_requests of them
-    naive_waste_fraction: float     # reserved but never holding a token, at the mean length
-    paged_request_bytes: int        # mean_tokens rounded up to blocks
-    paged_reserved_bytes: int       # num_requests of them
-    naive_max_requests: int         # requests the budget admits when each reserves max_model_len
-    paged_max_requests: int         # requests the budget admits when each holds mean_tokens in blocks
+    naive_request_bytes: int  # every request reserves max_model_len tokens
+    naive_reserved_bytes: int  # num_requests of them
+    naive_waste_fraction: float  # reserved but never holding a token, at the mean length
+    paged_request_bytes: int  # mean_tokens rounded up to blocks
+    paged_reserved_bytes: int  # num_requests of them
+    naive_max_requests: int  # requests the budget admits when each reserves max_model_len
+    paged_max_requests: int  # requests the budget admits when each holds mean_tokens in blocks
 
 
-def worked_example(geometry: KVGeometry | None = None, num_requests: int = 200, max_model_len: int = 2048,
-                   mean_tokens: int = 400, block_size: int = 16, budget_bytes: int = 200 * GiB) -> WorkedExample:
+def worked_example(
+    geometry: KVGeometry | None = None,
+    num_requests: int = 200,
+    max_model_len: int = 2048,
+    mean_tokens: int = 400,
+    block_size: int = 16,
+    budget_bytes: int = 200 * GiB,
+) -> WorkedExample:
     """The guide's worked example, for Llama-3-70B fp16 by default.
 
     - naive: 200 requests each reserve 2,048 tokens * 320 KiB = 640 MiB, 125 GiB in all; at a mean of 400 live
@@ -243,7 +264,10 @@ def worked_example(geometry: KVGeometry | None = None, num_requests: int = 200, 
     naive_request = geometry.request_bytes(max_model_len)
     paged_request = geometry.paged_request_bytes(mean_tokens, block_size)
     return WorkedExample(
-        num_requests=num_requests, max_model_len=max_model_len, mean_tokens=mean_tokens, block_size=block_size,
+        num_requests=num_requests,
+        max_model_len=max_model_len,
+        mean_tokens=mean_tokens,
+        block_size=block_size,
         budget_bytes=_positive_int("budget_bytes", budget_bytes),
         naive_request_bytes=naive_request,
         naive_reserved_bytes=num_requests * naive_request,

@@ -42,6 +42,7 @@ from paged.geometry import cdiv
 @dataclass
 class KVConnectorMetadata:
     """What the scheduler half tells the worker half for one step."""
+
     # (request_id, pool block ids, i): the received blocks i, i + 1, ... go into those pool blocks, in order
     loads: list[tuple[str, list[int], int]] = field(default_factory=list)
 
@@ -93,6 +94,7 @@ class KVConnector:
 @dataclass
 class SavedKV:
     """A finished prefill's K/V, ready to send: the request and its prompt's blocks."""
+
     request: object
     kv: torch.Tensor  # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -100,6 +102,7 @@ class SavedKV:
 @dataclass(frozen=True)
 class ProducerState:
     """A KVProducer's queues as an engine step found them."""
+
     to_save: list[tuple[object, list[int]]]
     saved: list[SavedKV]
     finished_saving: set[str]
@@ -111,7 +114,7 @@ class KVProducer(KVConnector):
 
     def __init__(self):
         self.to_save: list[tuple[object, list[int]]] = []  # (request, its prompt's blocks), kept by the scheduler
-        self.saved: list[SavedKV] = []                      # copied out, not yet taken
+        self.saved: list[SavedKV] = []  # copied out, not yet taken
         self.finished_saving: set[str] = set()
 
     def request_finished(self, request, block_ids):
@@ -150,6 +153,7 @@ class KVProducer(KVConnector):
 @dataclass(frozen=True)
 class ConsumerState:
     """A KVConsumer's received K/V and pending loads as an engine step found them."""
+
     received: dict[str, torch.Tensor]
     to_load: list[tuple[str, list[int], int]]
 
@@ -182,7 +186,7 @@ class KVConsumer(KVConnector):
         block_size = self.received[request.request_id].shape[3]
         end = self._matched_end(request)
         first = (end - num_external_tokens) // block_size  # the local hit ends on a block boundary
-        self.to_load.append((request.request_id, list(block_ids[first:cdiv(end, block_size)]), first))
+        self.to_load.append((request.request_id, list(block_ids[first : cdiv(end, block_size)]), first))
 
     def build_connector_meta(self):
         metadata, self.to_load = KVConnectorMetadata(loads=self.to_load), []
@@ -195,7 +199,7 @@ class KVConsumer(KVConnector):
     def start_load_kv(self, kv_cache, metadata):
         for request_id, block_ids, first in metadata.loads:
             kv = self.received.pop(request_id)
-            kv_cache.storage[:, :, block_ids] = kv[:, :, first:first + len(block_ids)].to(kv_cache.storage.device)
+            kv_cache.storage[:, :, block_ids] = kv[:, :, first : first + len(block_ids)].to(kv_cache.storage.device)
 
     def checkpoint(self) -> "ConsumerState":
         return ConsumerState(dict(self.received), list(self.to_load))

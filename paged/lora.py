@@ -44,11 +44,22 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 # The fused projections of paged.model.llama.LayerWeights and the targets (PEFT's module names) each one holds, in order.
-FUSED_TARGETS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
-                 "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+FUSED_TARGETS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 TARGET_MODULES = tuple(m for targets in FUSED_TARGETS.values() for m in targets)
-_MODULE_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_MODULE_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT saves without the adapter's name)
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
@@ -59,6 +70,7 @@ class LoRARequest:
     PEFT saved it to. The same id must always come with the same name and path. An id given as an integer scalar
     of numpy or torch is kept as the int it stands for (so it keys the registry and the prefix cache as one);
     anything else is refused when a request names the adapter."""
+
     lora_name: str
     lora_int_id: int
     lora_path: str
@@ -83,10 +95,11 @@ class LoRARequest:
 @dataclass
 class LoRAAdapter:
     """One adapter read from disk and checked, on the host: for each (layer, target), A [r, in] and s * B [out, r]."""
+
     name: str
     int_id: int
     path: str
-    rank: int                                              # the largest r over its modules
+    rank: int  # the largest r over its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
     @property
@@ -97,9 +110,10 @@ class LoRAAdapter:
 @dataclass(frozen=True)
 class TargetSlice:
     """Where one target lives in the model: its fused projection, its rows in the fused output, its input width."""
+
     fused: str
-    index: int          # position among the fused projection's targets
-    offset: int         # first output row in the fused weight
+    index: int  # position among the fused projection's targets
+    offset: int  # first output row in the fused weight
     out_features: int
     in_features: int
 
@@ -109,8 +123,15 @@ def target_slices(model) -> dict[str, TargetSlice]:
     q_size, kv_size = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     layer = model.layers[0]
     hidden, intermediate = layer.qkv.shape[1], layer.down.shape[1]
-    sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size, "o_proj": hidden,
-             "gate_proj": intermediate, "up_proj": intermediate, "down_proj": hidden}
+    sizes = {
+        "q_proj": q_size,
+        "k_proj": kv_size,
+        "v_proj": kv_size,
+        "o_proj": hidden,
+        "gate_proj": intermediate,
+        "up_proj": intermediate,
+        "down_proj": hidden,
+    }
     widths = {"qkv": hidden, "o": q_size, "gate_up": hidden, "down": intermediate}
     slices = {}
     for fused, targets in FUSED_TARGETS.items():
@@ -122,6 +143,7 @@ def target_slices(model) -> dict[str, TargetSlice]:
 
 
 # ---- reading PEFT's folder ------------------------------------------------------------------------------------
+
 
 def _pattern_value(patterns: dict, module_key: str, default):
     """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module's name."""
@@ -148,13 +170,17 @@ def read_adapter_config(path: str) -> dict:
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{ADAPTER_CONFIG} in {path!r} is malformed: {key} must be a positive number, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"{ADAPTER_CONFIG} in {path!r} is malformed: {key} must be a positive number, got {value!r}"
+            )
     for key in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(key) or {}, dict):
             raise ValueError(f"{ADAPTER_CONFIG} in {path!r} is malformed: {key} must be an object")
-    unsupported = {"use_dora": config.get("use_dora"), "modules_to_save": config.get("modules_to_save"),
-                   "lora_bias": config.get("lora_bias")}
+    unsupported = {
+        "use_dora": config.get("use_dora"),
+        "modules_to_save": config.get("modules_to_save"),
+        "lora_bias": config.get("lora_bias"),
+    }
     if config.get("bias", "none") != "none":
         unsupported["bias"] = config["bias"]
     for key, value in unsupported.items():
@@ -164,15 +190,18 @@ def read_adapter_config(path: str) -> dict:
     if isinstance(targets, list):
         lacking = [t for t in targets if t not in TARGET_MODULES]
         if lacking:
-            raise ValueError(f"{ADAPTER_CONFIG} in {path!r}: target module {lacking[0]!r} is not one the model "
-                             f"has (target_modules may name {', '.join(TARGET_MODULES)})")
+            raise ValueError(
+                f"{ADAPTER_CONFIG} in {path!r}: target module {lacking[0]!r} is not one the model "
+                f"has (target_modules may name {', '.join(TARGET_MODULES)})"
+            )
     elif targets is not None and not isinstance(targets, str):  # a string is a regex, or "all-linear"
         raise ValueError(f"{ADAPTER_CONFIG} in {path!r} is malformed: target_modules must be a list or a string")
     return config
 
 
-def load_adapter(request: LoRARequest, slices: dict[str, TargetSlice], num_layers: int,
-                 max_lora_rank: int) -> LoRAAdapter:
+def load_adapter(
+    request: LoRARequest, slices: dict[str, TargetSlice], num_layers: int, max_lora_rank: int
+) -> LoRAAdapter:
     """Read and check one adapter; raises ValueError (naming the file, the field and the limit) if it cannot be
     served on this model. Returns fp32 host tensors, B already scaled (by lora_alpha / r, lora_alpha / sqrt(r) with
     rsLoRA, per module under alpha_pattern)."""
@@ -194,12 +223,16 @@ def load_adapter(request: LoRARequest, slices: dict[str, TargetSlice], num_layer
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise ValueError(f"{ADAPTER_WEIGHTS} in {path!r}: tensor {key!r} is not a LoRA weight of a layer's "
-                             f"projection (target modules may be {', '.join(TARGET_MODULES)})")
+            raise ValueError(
+                f"{ADAPTER_WEIGHTS} in {path!r}: tensor {key!r} is not a LoRA weight of a layer's "
+                f"projection (target modules may be {', '.join(TARGET_MODULES)})"
+            )
         layer, parent, module, half = int(match[1]), match[2], match[3], match[4]
         if module not in TARGET_MODULES or _MODULE_PARENT[module] != parent:
-            raise ValueError(f"{ADAPTER_WEIGHTS} in {path!r}: target module {parent}.{module!r} is not one the "
-                             f"model has (target modules may be {', '.join(TARGET_MODULES)})")
+            raise ValueError(
+                f"{ADAPTER_WEIGHTS} in {path!r}: target module {parent}.{module!r} is not one the "
+                f"model has (target modules may be {', '.join(TARGET_MODULES)})"
+            )
         if layer >= num_layers:
             raise ValueError(f"{ADAPTER_WEIGHTS} in {path!r}: layer {layer} is past the model's {num_layers} layers")
         halves.setdefault((layer, module), {})[half] = tensor
@@ -214,15 +247,19 @@ def load_adapter(request: LoRARequest, slices: dict[str, TargetSlice], num_layer
         target = slices[module]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features or b.shape != (target.out_features, r):
-            raise ValueError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} must be "
-                             f"[r, {target.in_features}] and [{target.out_features}, r]")
+            raise ValueError(
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} must be "
+                f"[r, {target.in_features}] and [{target.out_features}, r]"
+            )
         module_key = f"model.layers.{layer}.{_MODULE_PARENT[module]}.{module}"
         config_r = _pattern_value(config.get("rank_pattern") or {}, module_key, config["r"])
         if r != config_r:
             raise ValueError(f"{where}: the weights have rank {r} but {ADAPTER_CONFIG} says r={config_r}")
         if r > max_lora_rank:
-            raise ValueError(f"adapter {request.lora_name!r} has rank {r} ({module}), more than max_lora_rank "
-                             f"({max_lora_rank}); raise max_lora_rank")
+            raise ValueError(
+                f"adapter {request.lora_name!r} has rank {r} ({module}), more than max_lora_rank "
+                f"({max_lora_rank}); raise max_lora_rank"
+            )
         alpha = _pattern_value(config.get("alpha_pattern") or {}, module_key, config["lora_alpha"])
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         weights[(layer, module)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
@@ -232,10 +269,12 @@ def load_adapter(request: LoRARequest, slices: dict[str, TargetSlice], num_layer
 
 # ---- the torch reference of shrink and expand (SGMV) ----------------------------------------------------------
 
+
 @dataclass
 class Segments:
     """Runs of consecutive tokens that share an adapter: tokens starts[g]..ends[g]-1 use slot slots[g].
     The host lists drive the torch reference; the int32 tensors [num_segments] and the longest run drive the kernel."""
+
     starts: list[int]
     ends: list[int]
     slots: list[int]
@@ -250,8 +289,15 @@ class Segments:
             return None
         starts, ends, slots = (list(column) for column in zip(*runs))
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        return cls(starts, ends, slots, as_tensor(starts), as_tensor(ends), as_tensor(slots),
-                   max(e - s for s, e in zip(starts, ends)))
+        return cls(
+            starts,
+            ends,
+            slots,
+            as_tensor(starts),
+            as_tensor(ends),
+            as_tensor(slots),
+            max(e - s for s, e in zip(starts, ends)),
+        )
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -277,11 +323,13 @@ def lora_ops(kernel: str):
     if kernel == "triton":
         from paged.kernels.lora import sgmv_expand as triton_expand
         from paged.kernels.lora import sgmv_shrink as triton_shrink
+
         return triton_shrink, triton_expand
     raise ValueError(f"lora kernel must be 'torch' or 'triton', got {kernel!r}")
 
 
 # ---- slots on the device ----------------------------------------------------------------------------------------
+
 
 class LoRASlots:
     """max_loras slots of adapter weights on the model's device, stacked per layer and fused projection:
@@ -295,14 +343,23 @@ class LoRASlots:
         kwargs = dict(dtype=model.dtype, device=model.device)
         self.lora_a, self.lora_b = [], []
         for layer in model.layers:
-            self.lora_a.append({fused: torch.zeros(max_loras, len(targets) * max_rank,
-                                                   self.slices[targets[0]].in_features, **kwargs)
-                                for fused, targets in FUSED_TARGETS.items()})
-            self.lora_b.append({fused: torch.zeros(max_loras, getattr(layer, fused).shape[0], max_rank, **kwargs)
-                                for fused in FUSED_TARGETS})
-        self.slot_ids: list[int | None] = [None] * max_loras   # the adapter id in each slot
+            self.lora_a.append(
+                {
+                    fused: torch.zeros(
+                        max_loras, len(targets) * max_rank, self.slices[targets[0]].in_features, **kwargs
+                    )
+                    for fused, targets in FUSED_TARGETS.items()
+                }
+            )
+            self.lora_b.append(
+                {
+                    fused: torch.zeros(max_loras, getattr(layer, fused).shape[0], max_rank, **kwargs)
+                    for fused in FUSED_TARGETS
+                }
+            )
+        self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self.slot_weights: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]  # (layer, target) pairs
-        self.last_used = [0] * max_loras                        # the step that last used each slot
+        self.last_used = [0] * max_loras  # the step that last used each slot
         self.num_loads = 0
         self.num_evictions = 0
 
@@ -314,8 +371,10 @@ class LoRASlots:
     def nbytes_for(model, max_loras: int, max_rank: int) -> int:
         """The bytes of the slots LoRASlots(model, max_loras, max_rank) allocates, before it does."""
         slices, layer = target_slices(model), model.layers[0]
-        per_rank = sum(len(targets) * slices[targets[0]].in_features + getattr(layer, fused).shape[0]
-                       for fused, targets in FUSED_TARGETS.items())   # A's and B's elements per slot and rank
+        per_rank = sum(
+            len(targets) * slices[targets[0]].in_features + getattr(layer, fused).shape[0]
+            for fused, targets in FUSED_TARGETS.items()
+        )  # A's and B's elements per slot and rank
         return len(model.layers) * max_loras * max_rank * per_rank * model.dtype.itemsize
 
     def targets_of(self, slot: int) -> set[str]:
@@ -329,7 +388,7 @@ class LoRASlots:
         """Write the adapter into slot (zeros wherever it has no weights)."""
         if self.slot_ids[slot] is not None:
             self.num_evictions += 1
-        self.slot_ids[slot] = None                 # until the copy is done
+        self.slot_ids[slot] = None  # until the copy is done
         for layer_a, layer_b in zip(self.lora_a, self.lora_b):
             for fused in FUSED_TARGETS:
                 layer_a[fused][slot].zero_()
@@ -337,8 +396,8 @@ class LoRASlots:
         for (layer, module), (a, b) in adapter.weights.items():
             target, r = self.slices[module], a.shape[0]
             row = target.index * self.max_rank
-            self.lora_a[layer][target.fused][slot, row:row + r].copy_(a)
-            self.lora_b[layer][target.fused][slot, target.offset:target.offset + target.out_features, :r].copy_(b)
+            self.lora_a[layer][target.fused][slot, row : row + r].copy_(a)
+            self.lora_b[layer][target.fused][slot, target.offset : target.offset + target.out_features, :r].copy_(b)
         self.slot_ids[slot] = adapter.int_id
         self.slot_weights[slot] = set(adapter.weights)
         self.num_loads += 1
@@ -352,8 +411,9 @@ class LoRASlots:
         for lora_id in needed:
             if self.slot_of(lora_id) is None:
                 free = [s for s, held in enumerate(self.slot_ids) if held not in needed]
-                victim = min(free, key=lambda s: (self.slot_ids[s] is not None, self.slot_ids[s] in keep,
-                                                  self.last_used[s]))
+                victim = min(
+                    free, key=lambda s: (self.slot_ids[s] is not None, self.slot_ids[s] in keep, self.last_used[s])
+                )
                 self.load(registry[lora_id], victim)
         slots = {lora_id: self.slot_of(lora_id) for lora_id in needed}
         for slot in slots.values():
@@ -363,6 +423,7 @@ class LoRASlots:
 
 # ---- one step's adapters, for the forward pass ---------------------------------------------------------------
 
+
 class LoRABatch:
     """What the forward pass needs to add each token's adapter update: the slots' weights; per fused projection
     and per target, the segments of tokens whose adapter has weights there; and the (layer, target) pairs where
@@ -371,45 +432,55 @@ class LoRABatch:
 
     def __init__(self, slots: LoRASlots, runs: list[tuple[int, int, int]], shrink, expand, device):
         self.slots, self.shrink, self.expand = slots, shrink, expand
-        self.held = set().union(*(slots.slot_weights[slot] for _, _, slot in runs))    # {(layer, target)}
+        self.held = set().union(*(slots.slot_weights[slot] for _, _, slot in runs))  # {(layer, target)}
         self.held_fused = {(layer, slots.slices[module].fused) for layer, module in self.held}
-        built = {}                                   # the same runs are built once (adapters often target alike)
+        built = {}  # the same runs are built once (adapters often target alike)
 
         def segments(selected):
             key = tuple(selected)
             if key not in built:
                 built[key] = Segments.build(selected, device)
             return built[key]
+
         targets_of = {slot: slots.targets_of(slot) for _, _, slot in runs}
-        self.target_segments = {module: segments([run for run in runs if module in targets_of[run[2]]])
-                                for module in TARGET_MODULES}
-        self.fused_segments = {fused: segments([run for run in runs if targets_of[run[2]] & set(targets)])
-                               for fused, targets in FUSED_TARGETS.items()}
+        self.target_segments = {
+            module: segments([run for run in runs if module in targets_of[run[2]]]) for module in TARGET_MODULES
+        }
+        self.fused_segments = {
+            fused: segments([run for run in runs if targets_of[run[2]] & set(targets)])
+            for fused, targets in FUSED_TARGETS.items()
+        }
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [num_tokens, out_total] (the fused projection of x [num_tokens, in]) += each token's s * B A x."""
-        if (layer, fused) not in self.held_fused:    # no adapter of this step has weights here
+        if (layer, fused) not in self.held_fused:  # no adapter of this step has weights here
             return
         segments = self.fused_segments[fused]
         rank = self.slots.max_rank
-        y = self.shrink(x, self.slots.lora_a[layer][fused], segments)       # [num_tokens, num_targets * rank]
+        y = self.shrink(x, self.slots.lora_a[layer][fused], segments)  # [num_tokens, num_targets * rank]
         lora_b = self.slots.lora_b[layer][fused]
         for module in FUSED_TARGETS[fused]:
             if (layer, module) not in self.held:
                 continue
             target = self.slots.slices[module]
             rows = slice(target.offset, target.offset + target.out_features)
-            self.expand(y[:, target.index * rank:(target.index + 1) * rank], lora_b[:, rows], out[:, rows],
-                        self.target_segments[module])
+            self.expand(
+                y[:, target.index * rank : (target.index + 1) * rank],
+                lora_b[:, rows],
+                out[:, rows],
+                self.target_segments[module],
+            )
 
 
 # ---- the engine's side: registry, slots, steps ------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class LoRAState:
     """The LoRA slots as an engine step found them (LoRAManager.checkpoint)."""
+
     num_steps: int
-    slot_ids: tuple[int | None, ...]   # the adapter id in each slot
+    slot_ids: tuple[int | None, ...]  # the adapter id in each slot
     last_used: tuple[int, ...]
     num_loads: int
     num_evictions: int
@@ -425,9 +496,11 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank = config.max_loras, config.max_lora_rank
         needed, room = LoRASlots.nbytes_for(model, self.max_loras, self.max_lora_rank), available_memory(model.device)
         if room is not None and needed > room:
-            raise ValueError(f"max_loras ({self.max_loras}) slots of max_lora_rank ({self.max_lora_rank}) take "
-                             f"{needed / 2**30:.2f} GiB on {model.device}, more than the {room / 2**30:.2f} GiB "
-                             f"available; lower max_loras or max_lora_rank")
+            raise ValueError(
+                f"max_loras ({self.max_loras}) slots of max_lora_rank ({self.max_lora_rank}) take "
+                f"{needed / 2**30:.2f} GiB on {model.device}, more than the {room / 2**30:.2f} GiB "
+                f"available; lower max_loras or max_lora_rank"
+            )
         self.num_layers = len(model.layers)
         self.device = model.device
         self.slots = LoRASlots(model, self.max_loras, self.max_lora_rank)
@@ -443,8 +516,9 @@ class LoRAManager:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         lora_id = integer("lora_int_id", lora_request.lora_int_id)
         if lora_id < 1:
-            raise ValueError(f"lora_int_id must be >= 1 (0 means the base model), got {lora_id} "
-                             f"(adapter {lora_request.lora_name!r})")
+            raise ValueError(
+                f"lora_int_id must be >= 1 (0 means the base model), got {lora_id} (adapter {lora_request.lora_name!r})"
+            )
         if not isinstance(lora_request.lora_name, str) or not lora_request.lora_name:
             raise ValueError(f"lora_name must be a non-empty string, got {lora_request.lora_name!r}")
         if not isinstance(lora_request.lora_path, (str, os.PathLike)):
@@ -452,13 +526,17 @@ class LoRAManager:
         known = self.registry.get(lora_id)
         if known is not None:
             if known.name != lora_request.lora_name or known.path != os.fspath(lora_request.lora_path):
-                raise ValueError(f"lora_int_id {lora_id} already names adapter {known.name!r} at {known.path!r}; "
-                                 f"got {lora_request.lora_name!r} at {lora_request.lora_path!r}: one id per adapter")
+                raise ValueError(
+                    f"lora_int_id {lora_id} already names adapter {known.name!r} at {known.path!r}; "
+                    f"got {lora_request.lora_name!r} at {lora_request.lora_path!r}: one id per adapter"
+                )
             return known
         for other in self.registry.values():
             if other.name == lora_request.lora_name:
-                raise ValueError(f"lora_name {other.name!r} already has lora_int_id {other.int_id}, "
-                                 f"got {lora_id}: one id per adapter")
+                raise ValueError(
+                    f"lora_name {other.name!r} already has lora_int_id {other.int_id}, "
+                    f"got {lora_id}: one id per adapter"
+                )
         adapter = load_adapter(lora_request, self.slots.slices, self.num_layers, self.max_lora_rank)
         self.registry[lora_id] = adapter
         return adapter
@@ -477,8 +555,9 @@ class LoRAManager:
     def checkpoint(self) -> "LoRAState":
         """The adapter in each slot and the counts, as an engine step found them (engine/journal.py)."""
         slots = self.slots
-        return LoRAState(self.num_steps, tuple(slots.slot_ids), tuple(slots.last_used), slots.num_loads,
-                         slots.num_evictions)
+        return LoRAState(
+            self.num_steps, tuple(slots.slot_ids), tuple(slots.last_used), slots.num_loads, slots.num_evictions
+        )
 
     def restore(self, record: "LoRAState") -> None:
         """The adapters each slot held before the undone step: one it replaced is loaded again from the host."""
@@ -486,7 +565,7 @@ class LoRAManager:
         for slot, lora_id in enumerate(record.slot_ids):
             if slots.slot_ids[slot] != lora_id:
                 if lora_id is None:
-                    slots.slot_ids[slot] = None     # empty again: whatever it holds is never read
+                    slots.slot_ids[slot] = None  # empty again: whatever it holds is never read
                 else:
                     slots.load(self.registry[lora_id], slot)
         self.num_steps, slots.last_used = record.num_steps, list(record.last_used)
@@ -504,14 +583,19 @@ class LoRAManager:
         for seq, num_new in batch:
             lora_id = seq.request.lora_int_id
             if lora_id and runs and runs[-1][1] == start and runs[-1][2] == slot_of[lora_id]:
-                runs[-1] = (runs[-1][0], start + num_new, runs[-1][2])   # extend the run
+                runs[-1] = (runs[-1][0], start + num_new, runs[-1][2])  # extend the run
             elif lora_id:
                 runs.append((start, start + num_new, slot_of[lora_id]))
             start += num_new
         return batch, LoRABatch(self.slots, runs, self.shrink, self.expand, self.device)
 
     def stats(self) -> dict:
-        return {"max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
-                "registered": sorted(self.registry), "slots": list(self.slots.slot_ids),
-                "num_loads": self.slots.num_loads, "num_evictions": self.slots.num_evictions,
-                "slot_bytes": self.slots.nbytes}
+        return {
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "registered": sorted(self.registry),
+            "slots": list(self.slots.slot_ids),
+            "num_loads": self.slots.num_loads,
+            "num_evictions": self.slots.num_evictions,
+            "slot_bytes": self.slots.nbytes,
+        }

@@ -47,8 +47,9 @@ from paged.engine.kv_cache import KVCache
 from paged.geometry import GiB, cdiv
 
 
-def build_tiers(config: OffloadConfig, block_manager: BlockManager,
-                kv_cache: KVCache) -> tuple["SwapSpace | None", "PrefixTier | None"]:
+def build_tiers(
+    config: OffloadConfig, block_manager: BlockManager, kv_cache: KVCache
+) -> tuple["SwapSpace | None", "PrefixTier | None"]:
     """The tiers the settings ask for, sized in blocks of this pool, each in a file of its own with
     kv_offload_dir."""
     block_bytes = kv_cache.nbytes // kv_cache.num_blocks
@@ -58,11 +59,13 @@ def build_tiers(config: OffloadConfig, block_manager: BlockManager,
         delete_stale_files(folder)
     swap = prefix = None
     if config.preemption_mode == "swap":
-        swap = SwapSpace(block_manager, KVTier(kv_cache, int(config.swap_space * GiB) // block_bytes, folder,
-                                               kind="swap"))
+        swap = SwapSpace(
+            block_manager, KVTier(kv_cache, int(config.swap_space * GiB) // block_bytes, folder, kind="swap")
+        )
     if config.kv_offloading_size is not None:
-        prefix = PrefixTier(block_manager, KVTier(kv_cache, int(config.kv_offloading_size * GiB) // block_bytes,
-                                                  folder, kind="prefix"))
+        prefix = PrefixTier(
+            block_manager, KVTier(kv_cache, int(config.kv_offloading_size * GiB) // block_bytes, folder, kind="prefix")
+        )
     return swap, prefix
 
 
@@ -133,7 +136,7 @@ class KVTier:
             return
         if pool.device == self.storage.device:  # a host pool: one gather and one scatter for all the blocks
             blocks, slots = map(list, zip(*copies))
-            self.storage[slots] = pool[:, :, blocks].movedim(2, 0)      # [n, 2, layers, block_size, heads, dim]
+            self.storage[slots] = pool[:, :, blocks].movedim(2, 0)  # [n, 2, layers, block_size, heads, dim]
             return
         for block, slot in copies:  # GPU to pinned host memory: one asynchronous copy per block, in stream order
             self.storage[slot].copy_(pool[:, :, block], non_blocking=True)
@@ -145,7 +148,7 @@ class KVTier:
             return
         if pool.device == self.storage.device:
             slots, blocks = map(list, zip(*copies))
-            pool[:, :, blocks] = self.storage[slots].movedim(0, 2)      # [2, layers, n, block_size, heads, dim]
+            pool[:, :, blocks] = self.storage[slots].movedim(0, 2)  # [2, layers, n, block_size, heads, dim]
             return
         for slot, block in copies:
             pool[:, :, block].copy_(self.storage[slot], non_blocking=True)
@@ -170,8 +173,7 @@ class TierFile:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             while True:
-                fd, name = tempfile.mkstemp(prefix=f"{TIER_FILE_PREFIX}{kind}-", suffix=TIER_FILE_SUFFIX,
-                                            dir=folder)
+                fd, name = tempfile.mkstemp(prefix=f"{TIER_FILE_PREFIX}{kind}-", suffix=TIER_FILE_SUFFIX, dir=folder)
                 if _lock(fd) and _is_at(fd, Path(name)):
                     return cls(Path(name), fd)
                 os.close(fd)  # delete_stale_files took it in the instant before the lock: it is gone; again
@@ -188,8 +190,10 @@ class TierFile:
             raise ValueError(f"kv_offload_dir: cannot write the tier file {path} ({error})") from error
         if not _lock(fd):
             os.close(fd)
-            raise ValueError(f"the tier file {path} belongs to another live tier (it holds the file's lock); "
-                             f"give each tier a file of its own")
+            raise ValueError(
+                f"the tier file {path} belongs to another live tier (it holds the file's lock); "
+                f"give each tier a file of its own"
+            )
         return cls(path, fd)
 
     def map(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -209,13 +213,13 @@ class TierFile:
     @staticmethod
     def _release(path: Path, fd: int) -> None:
         if os.name == "nt":
-            os.close(fd)    # Windows deletes no file that is open
+            os.close(fd)  # Windows deletes no file that is open
         try:
             os.unlink(path)
         except OSError:  # gone already (its folder deleted, say)
             pass
         if os.name != "nt":
-            os.close(fd)    # the lock goes with the descriptor, after the file: no other tier claims it between
+            os.close(fd)  # the lock goes with the descriptor, after the file: no other tier claims it between
 
 
 def _lock(fd: int) -> bool:
@@ -226,7 +230,7 @@ def _lock(fd: int) -> bool:
         else:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except (BlockingIOError, PermissionError):      # Windows says a held lock with EACCES
+    except (BlockingIOError, PermissionError):  # Windows says a held lock with EACCES
         return False
 
 
@@ -261,10 +265,11 @@ def delete_stale_files(folder: Path) -> list[Path]:
 @dataclass(frozen=True)
 class SwapSpaceState:
     """Swap preemption's bookkeeping as an engine step found it (SwapSpace.checkpoint)."""
+
     slots: dict[int, list[int]]
     swap_out_blocks: int
     swap_in_blocks: int
-    tier_log: list      # the tier's takes and give-backs while the step runs (KVTier.log)
+    tier_log: list  # the tier's takes and give-backs while the step runs (KVTier.log)
 
 
 class SwapSpace:
@@ -274,20 +279,21 @@ class SwapSpace:
         self.block_manager = block_manager
         self.tier = tier
         self.slots: dict[int, list[int]] = {}  # seq_id -> tier slots of its blocks
-        self.swap_out_blocks = 0                # cumulative
+        self.swap_out_blocks = 0  # cumulative
         self.swap_in_blocks = 0
 
     def can_swap_out(self, seq_id: int, num_tokens: int) -> bool:
         """Can seq_id's blocks holding its first num_tokens tokens move out whole? Not if one of them is shared."""
         table = self.block_manager.block_tables.get(seq_id, [])
         blocks = self.block_manager.blocks
-        return 0 < cdiv(num_tokens, self.block_manager.block_size) <= self.tier.num_free and \
-            all(blocks[block_id].ref_count == 1 for block_id in table)
+        return 0 < cdiv(num_tokens, self.block_manager.block_size) <= self.tier.num_free and all(
+            blocks[block_id].ref_count == 1 for block_id in table
+        )
 
     def swap_out(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Give seq_id tier slots for its first num_tokens tokens and free its table. Returns the (pool block,
         tier slot) copies to make before the freed blocks are written again."""
-        blocks = self.block_manager.block_tables[seq_id][:cdiv(num_tokens, self.block_manager.block_size)]
+        blocks = self.block_manager.block_tables[seq_id][: cdiv(num_tokens, self.block_manager.block_size)]
         self.slots[seq_id] = self.tier.take(len(blocks))
         self.block_manager.free(seq_id)
         self.swap_out_blocks += len(blocks)
@@ -309,8 +315,12 @@ class SwapSpace:
 
     def checkpoint(self) -> "SwapSpaceState":
         """Open a transaction: the slots and counts as they are now, and a log of the tier's takes from now on."""
-        record = SwapSpaceState({seq_id: list(slots) for seq_id, slots in self.slots.items()}, self.swap_out_blocks,
-                                self.swap_in_blocks, tier_log=[])
+        record = SwapSpaceState(
+            {seq_id: list(slots) for seq_id, slots in self.slots.items()},
+            self.swap_out_blocks,
+            self.swap_in_blocks,
+            tier_log=[],
+        )
         self.tier.log = record.tier_log
         return record
 
@@ -342,10 +352,11 @@ class TierHit:
 class PrefixTierState:
     """The prefix tier as an engine step found it (PrefixTier.checkpoint): its counts, and the logs of its changes
     while the step runs."""
+
     stored_blocks: int
     hit_tokens: int
     entry_log: list[tuple[bytes, tuple | None]]  # (hash, its entry before: None if there was none) per change
-    tier_log: list                               # the tier's takes and give-backs (KVTier.log)
+    tier_log: list  # the tier's takes and give-backs (KVTier.log)
 
 
 class PrefixTier:
@@ -356,8 +367,8 @@ class PrefixTier:
         self.tier = tier
         self.entries: OrderedDict[bytes, tuple[tuple, int]] = OrderedDict()
         self.stored_blocks = 0  # cumulative: blocks copied into the tier
-        self.hit_tokens = 0     # cumulative: prompt tokens loaded from the tier instead of computed
-        self._log = None        # in a transaction: the record's entry_log, see PrefixTierState
+        self.hit_tokens = 0  # cumulative: prompt tokens loaded from the tier instead of computed
+        self._log = None  # in a transaction: the record's entry_log, see PrefixTierState
 
     def find(self, token_ids: list[int], extra_key, skip: int) -> list[TierHit]:
         """The run of a new prompt's full blocks after its first `skip` (the pool's hits) that the tier holds."""

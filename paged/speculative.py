@@ -51,25 +51,33 @@ def resolve_draft(config: SpeculativeConfig, target: PagedLlama, backend: str) -
     """The draft model as a PagedLlama on the target's device and dtype, sharing weights with the target where
     it is the target (or its first layers): the same model object, "smollm2" twice, or the same folder."""
     from paged.model.loader import load_model
+
     argument, model = "speculative_config['model']", config.model
     if isinstance(model, (str, os.PathLike)) and model != "smollm2":
         from paged.model.checkpoints import resolve_folder
+
         model = str(resolve_folder(os.fspath(model), argument).resolve())
     if model is target.source or (isinstance(model, str) and model == target.source):
         draft = copy.copy(target)
     else:
         draft, _ = load_model(model, None, target.device, target.dtype, backend, argument, with_tokenizer=False)
     if draft.embed_tokens.shape[0] != target.embed_tokens.shape[0]:
-        raise ValueError(f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
-                         f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative_config['model'] has a vocabulary of {draft.embed_tokens.shape[0]} tokens, "
+            f"the target {target.embed_tokens.shape[0]}: a draft must share the target's tokenizer"
+        )
     if draft.max_position < target.max_position:
-        raise ValueError(f"speculative_config['model'] holds {draft.max_position} positions, fewer than the "
-                         f"target's max_model_len ({target.max_position})")
+        raise ValueError(
+            f"speculative_config['model'] holds {draft.max_position} positions, fewer than the "
+            f"target's max_model_len ({target.max_position})"
+        )
     if config.draft_layers is not None:
         if config.draft_layers > len(draft.layers):
-            raise ValueError(f"speculative_config['draft_layers'] ({config.draft_layers}) must be <= the draft's "
-                             f"{len(draft.layers)} layers")
-        draft.layers = draft.layers[:config.draft_layers]
+            raise ValueError(
+                f"speculative_config['draft_layers'] ({config.draft_layers}) must be <= the draft's "
+                f"{len(draft.layers)} layers"
+            )
+        draft.layers = draft.layers[: config.draft_layers]
     return draft
 
 
@@ -77,17 +85,18 @@ def ngram_propose(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     """Up to k tokens that followed the most recent earlier occurrence of the last n tokens, longest n first."""
     tokens = np.asarray(token_ids)
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)    # [len - n, n], all but the suffix
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # [len - n, n], all but the suffix
         matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if matches.size:
             start = int(matches[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
 @dataclass(frozen=True)
 class DrafterState:
     """The draft pool as an engine step found it (DraftModelProposer.checkpoint)."""
+
     block_manager: BlockManagerState
     num_computed: dict[int, int]
 
@@ -95,6 +104,7 @@ class DrafterState:
 @dataclass(frozen=True)
 class SpeculatorState:
     """The speculator's counts and draft pool as an engine step found them (Speculator.checkpoint)."""
+
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -108,8 +118,15 @@ class DraftModelProposer:
     def __init__(self, model: PagedLlama, num_blocks: int, block_size: int):
         self.model = model
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
-                                dtype=model.dtype, device=model.device)
+        self.kv_cache = KVCache(
+            len(model.layers),
+            model.num_kv_heads,
+            model.head_dim,
+            num_blocks,
+            block_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
         self.num_computed: dict[int, int] = {}  # seq_id -> leading tokens whose K/V the draft pool holds
 
     def propose(self, seqs, lengths: list[int], default_generator) -> None:
@@ -138,13 +155,13 @@ class DraftModelProposer:
             chunks, order = [chunks[i] for i in decodes_first], [order[i] for i in decodes_first]
             input_ids, positions, meta, logits_indices = prepare_inputs(self.block_manager, chunks, self.model.device)
             logits = self.model.forward(input_ids, positions, meta, self.kv_cache, logits_indices)  # [seqs, vocab]
-            greedy = greedy_tokens(logits).tolist()                                                   # [seqs]
+            greedy = greedy_tokens(logits).tolist()  # [seqs]
             for row, seq in enumerate(order):
                 params = seq.params
                 if params.greedy:
                     token = greedy[row]
                 else:
-                    q = filtered_probs(logits[row:row + 1], params)[0]                           # [vocab]
+                    q = filtered_probs(logits[row : row + 1], params)[0]  # [vocab]
                     if seq.seq_id in lookahead:
                         token = seeded_token(q, exponential_noise(q, lookahead[seq.seq_id]))
                     else:
@@ -154,7 +171,7 @@ class DraftModelProposer:
         for seq, _ in active:
             seq.spec_token_ids = drafts[seq.seq_id]
             seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
-            self.num_computed[seq.seq_id] = seq.num_tokens          # the drafts' K/V are overwritten next time
+            self.num_computed[seq.seq_id] = seq.num_tokens  # the drafts' K/V are overwritten next time
             self.block_manager.truncate(seq.seq_id, seq.num_tokens)
 
     def release(self, live_seq_ids: set[int]) -> None:
@@ -198,8 +215,10 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, draft: PagedLlama | None, num_blocks: int, block_size: int):
         if (config.method == "draft_model") != (draft is not None):
-            raise ValueError(f"speculative_config['method'] {config.method!r} needs a draft model exactly when it "
-                             f"is 'draft_model' (resolve_draft makes it)")
+            raise ValueError(
+                f"speculative_config['method'] {config.method!r} needs a draft model exactly when it "
+                f"is 'draft_model' (resolve_draft makes it)"
+            )
         self.config = config
         self.k = config.num_speculative_tokens
         self.drafter = DraftModelProposer(draft, num_blocks, block_size) if draft is not None else None
@@ -235,7 +254,7 @@ class Speculator:
             return greedy_accept(greedy_tokens(logits).tolist(), drafts)
         if seq.generator is not None:
             return seeded_accept(filtered_probs(logits, seq.params), drafts, seq.generator)
-        draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[:len(drafts)]
+        draft_probs = None if seq.spec_draft_probs is None else seq.spec_draft_probs[: len(drafts)]
         return rejection_sample(filtered_probs(logits, seq.params), drafts, draft_probs, default_generator)
 
     def record(self, seq, tokens: list[int]) -> None:
@@ -256,9 +275,13 @@ class Speculator:
 
     def checkpoint(self) -> "SpeculatorState":
         """Open the engine step's transaction: the counts and the draft pool can be put back as they are now."""
-        return SpeculatorState(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               tuple(self.num_accepted_tokens_per_pos),
-                               None if self.drafter is None else self.drafter.checkpoint())
+        return SpeculatorState(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            tuple(self.num_accepted_tokens_per_pos),
+            None if self.drafter is None else self.drafter.checkpoint(),
+        )
 
     def stop_logging(self) -> None:
         if self.drafter is not None:
@@ -272,6 +295,9 @@ class Speculator:
             self.drafter.restore(record.drafter)
 
     def stats(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }

@@ -74,8 +74,11 @@ def as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise ArgumentError("prompts", f"prompts must be a string, a list of token ids, or a list of those; got "
-                         f"{type(prompts).__name__} (for an array or tensor of ids, pass .tolist())")
+        raise ArgumentError(
+            "prompts",
+            f"prompts must be a string, a list of token ids, or a list of those; got "
+            f"{type(prompts).__name__} (for an array or tensor of ids, pass .tolist())",
+        )
     if prompts and not isinstance(prompts[0], (str, list, tuple)):
         return [prompts]  # a single prompt of token ids
     return list(prompts)
@@ -88,9 +91,12 @@ def prompt_token_ids(prompt, tokenizer) -> list[int]:
             raise ArgumentError("prompt", "prompt is a string but the engine has no tokenizer; pass token ids")
         try:
             prompt.encode("utf-8")
-        except UnicodeEncodeError as error:   # a lone UTF-16 surrogate: not text any tokenizer takes
-            raise ArgumentError("prompt", f"prompt holds a lone UTF-16 surrogate at character {error.start}, which "
-                                          f"is not text; pass valid Unicode") from None
+        except UnicodeEncodeError as error:  # a lone UTF-16 surrogate: not text any tokenizer takes
+            raise ArgumentError(
+                "prompt",
+                f"prompt holds a lone UTF-16 surrogate at character {error.start}, which "
+                f"is not text; pass valid Unicode",
+            ) from None
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if not isinstance(prompt, (list, tuple)):
         raise ArgumentError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -104,6 +110,7 @@ def available_memory(device=None) -> int | None:
     typo gets a ValueError instead of an allocator's error."""
     if device is not None:
         import torch
+
         if torch.device(device).type == "cuda":
             return torch.cuda.mem_get_info(torch.device(device))[0]
     try:

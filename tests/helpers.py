@@ -16,10 +16,20 @@ from paged.kernels import cpu, triton_missing
 def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     """A random Llama small enough to run hundreds of engine steps in a second (GQA 2:1)."""
     torch.manual_seed(seed)
-    settings = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                    tie_word_embeddings=True, eos_token_id=255, bos_token_id=0,
-                    initializer_range=0.3)  # wide weights: peaked logits, so sampling follows the model
+    settings = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=255,
+        bos_token_id=0,
+        initializer_range=0.3,
+    )  # wide weights: peaked logits, so sampling follows the model
     return LlamaForCausalLM(LlamaConfig(**{**settings, **overrides})).eval()
 
 
@@ -43,8 +53,8 @@ def assert_ref_counts_exact(manager) -> None:
     assert len(free_ids) == len(set(free_ids)) == manager.num_free_blocks
     free = set(free_ids)
     for block in manager.blocks:
-        assert block.ref_count == holders[block.block_id]          # exact ref counts
-        assert (block.block_id in free) == (block.ref_count == 0)   # free iff nobody holds it
+        assert block.ref_count == holders[block.block_id]  # exact ref counts
+        assert (block.block_id in free) == (block.ref_count == 0)  # free iff nobody holds it
 
 
 def assert_pool_empty(llm: LLM) -> None:
@@ -70,6 +80,7 @@ def player_frames(player) -> list[str]:
     the frames and that the browser links them to the frame on show (jslink: no kernel needed to move them)."""
     from ipywidgets.widgets.widget import _instances as live_widgets  # here: a GPU machine need not have ipywidgets
     from ipywidgets.widgets.widget_link import Link
+
     (play, slider), view = player.children[0].children, player.children[1]
     frames = [child.value for child in view.children]
     assert (play.max, slider.max) == (len(frames) - 1, len(frames) - 1)
@@ -81,14 +92,16 @@ def player_frames(player) -> list[str]:
 
 # ---- the engine against transformers, and interrupted steps -------------------------------------------------
 
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
     """transformers' own greedy tokens (generate, without sampling) after prompt_ids."""
     ids = torch.tensor([prompt_ids])
     kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": 0}
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
@@ -97,8 +110,9 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-def assert_near_tie(label: str, model, prompt: list[int], ours: list[int], theirs: list[int],
-                    relative: float = 2 ** -6) -> None:
+def assert_near_tie(
+    label: str, model, prompt: list[int], ours: list[int], theirs: list[int], relative: float = 2**-6
+) -> None:
     """Where two greedy continuations part (if they do), transformers must rank both tokens within a margin of
     `relative` times its largest logit there (the default is bf16-sized). Prints the margin."""
     step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
@@ -151,7 +165,7 @@ def cached_blocks_hold_their_tokens(llm, model, prefix_of: dict) -> None:
         with torch.no_grad():
             layers = model(torch.tensor([prefix]), use_cache=True).past_key_values.layers
         for index, layer in enumerate(layers):
-            keys = layer.keys[0, :, -size:].transpose(0, 1)      # [block_size, num_kv_heads, head_dim]
+            keys = layer.keys[0, :, -size:].transpose(0, 1)  # [block_size, num_kv_heads, head_dim]
             values = layer.values[0, :, -size:].transpose(0, 1)
             torch.testing.assert_close(cache.key_cache(index)[block.block_id], keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(cache.value_cache(index)[block.block_id], values, atol=1e-4, rtol=1e-4)
@@ -166,7 +180,7 @@ def record_cached_prefixes(llm) -> dict:
         registered = register(seq_id, token_ids, num_computed_tokens, extra_key)
         table = manager.block_tables[seq_id]
         for block in registered:
-            prefix_of[block.block_hash] = list(token_ids[:(table.index(block.block_id) + 1) * manager.block_size])
+            prefix_of[block.block_hash] = list(token_ids[: (table.index(block.block_id) + 1) * manager.block_size])
         return registered
 
     manager.cache_full_blocks = recording
@@ -176,9 +190,12 @@ def record_cached_prefixes(llm) -> dict:
 def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
     """A PEFT LoRA on the tiny Llama with random A and B, saved to path; returns (path, the PEFT model)."""
     from peft import LoraConfig, get_peft_model
-    targets = targets if isinstance(targets, str) else list(targets)     # a string is PEFT's regex form
-    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r),
-                                                         target_modules=targets, lora_dropout=0.0, **config))
+
+    targets = targets if isinstance(targets, str) else list(targets)  # a string is PEFT's regex form
+    peft_model = get_peft_model(
+        tiny_llama(),
+        LoraConfig(r=r, lora_alpha=config.pop("lora_alpha", 2 * r), target_modules=targets, lora_dropout=0.0, **config),
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -190,7 +207,7 @@ def make_adapter(path, seed, r=8, targets=("q_proj", "v_proj"), **config):
 
 # ---- the kernel tests' inputs -------------------------------------------------------------------------------
 
-KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # where the Triton kernels' tests put their inputs
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the Triton kernels' tests put their inputs
 
 
 def edge_lens(block_size, long):
@@ -198,8 +215,9 @@ def edge_lens(block_size, long):
     return [1, block_size - 1, block_size, block_size + 1, long]
 
 
-def paged_pool(context_lens, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=5, spare_columns=2,
-               device=KERNEL_DEVICE):
+def paged_pool(
+    context_lens, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=5, spare_columns=2, device=KERNEL_DEVICE
+):
     """Random K/V pools and a shuffled block table: sequences own scattered blocks, some blocks are free,
     and every table has spare columns past its last block, filled with -1 that no kernel may read."""
     gen = torch.Generator().manual_seed(seed)
@@ -221,20 +239,31 @@ def random_query(rows, num_heads, head_dim, dtype, seed, device=KERNEL_DEVICE):
     return torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype).to(device)
 
 
-def decode_inputs(block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare_columns=2,
-                  device=KERNEL_DEVICE):
+def decode_inputs(block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare_columns=2, device=KERNEL_DEVICE):
     key_cache, value_cache, block_tables, lens = paged_pool(
-        edge_lens(block_size, long=7 * block_size + 3), block_size, num_kv_heads, head_dim, dtype, seed,
-        spare_columns=spare_columns, device=device)
+        edge_lens(block_size, long=7 * block_size + 3),
+        block_size,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        seed,
+        spare_columns=spare_columns,
+        device=device,
+    )
     query = random_query(len(lens), num_heads, head_dim, dtype, seed, device)
-    return query, key_cache, value_cache, block_tables, lens, head_dim ** -0.5
+    return query, key_cache, value_cache, block_tables, lens, head_dim**-0.5
 
 
 def decode_call(device=KERNEL_DEVICE, **change):
     """The Triton decode wrapper bound to valid inputs, with `change` replacing some of them."""
     from paged import kernels
-    args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "context_lens", "scale"],
-                    decode_inputs(8, 4, 2, 64, torch.float32, device=device)))
+
+    args = dict(
+        zip(
+            ["query", "key_cache", "value_cache", "block_tables", "context_lens", "scale"],
+            decode_inputs(8, 4, 2, 64, torch.float32, device=device),
+        )
+    )
     args.update(change)
     return functools.partial(kernels.paged_decode_attention, **args)
 
@@ -273,8 +302,19 @@ def assert_prefill_rejects_bad_input(prefill, device=KERNEL_DEVICE) -> None:
     int32 = dict(dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 3, 6], **int32)
     call = lambda **c: prefill(  # noqa: E731
-        **{**dict(query=q, key_cache=kc, value_cache=vc, block_tables=bt, query_start_loc=qsl,
-                  context_lens=lens, scale=0.125), **c})
+        **{
+            **dict(
+                query=q,
+                key_cache=kc,
+                value_cache=vc,
+                block_tables=bt,
+                query_start_loc=qsl,
+                context_lens=lens,
+                scale=0.125,
+            ),
+            **c,
+        }
+    )
     with pytest.raises(ValueError, match=r"query_start_loc must be int32 \[num_seqs \+ 1 = 3\]"):
         call(query_start_loc=qsl[:2])
     with pytest.raises(ValueError, match="query_start_loc must rise from 0 to num_tokens = 6"):

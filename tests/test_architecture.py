@@ -11,8 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "paged"
 
 SETTINGS = {"paged.validation", "paged.geometry", "paged.sampling_params", "paged.config"}
-FEATURES = {"paged.speculative", "paged.offload", "paged.kv_connector", "paged.disagg", "paged.lora",
-            "paged.beam_search"}
+FEATURES = {
+    "paged.speculative",
+    "paged.offload",
+    "paged.kv_connector",
+    "paged.disagg",
+    "paged.lora",
+    "paged.beam_search",
+}
 # the features sit beside the engine: the engine step calls them, and they run on its parts
 LAYERS = ["settings", "core", "model", "engine", "serving", "analysis", "viz"]
 # what a layer may import besides its own and the ones below it: the scheduler asks the KV connector
@@ -31,7 +37,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) > 2 and parts[1] in {"core", "model", "engine", "serving", "analysis", "viz"}:
         return parts[1]
-    return None   # paged, paged.__main__ and the subpackages' own __init__ files: the top, or empty
+    return None  # paged, paged.__main__ and the subpackages' own __init__ files: the top, or empty
 
 
 def module_name(path: Path) -> str:
@@ -48,8 +54,9 @@ def imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paged"):
-            submodules = {f"{node.module}.{alias.name}" for alias in node.names
-                          if is_module(f"{node.module}.{alias.name}")}
+            submodules = {
+                f"{node.module}.{alias.name}" for alias in node.names if is_module(f"{node.module}.{alias.name}")
+            }
             found |= submodules if len(submodules) == len(node.names) else submodules | {node.module}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("paged")}
@@ -86,8 +93,14 @@ MAP = (ROOT / "ARCHITECTURE.md").read_text()
 
 def test_every_path_the_map_names_exists():
     named = set(re.findall(r"`((?:paged|tests)/[\w/]*(?:\.py)?)`", MAP))
-    named |= {f"paged/{path}" for path in re.findall(r"`((?:core|model|engine|serving|analysis|kernels|viz)/[\w/]*"
-                                                      r"(?:\.py)?)`", MAP)}
+    named |= {
+        f"paged/{path}"
+        for path in re.findall(
+            r"`((?:core|model|engine|serving|analysis|kernels|viz)/[\w/]*"
+            r"(?:\.py)?)`",
+            MAP,
+        )
+    }
     assert len(named) > 40
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert not missing, missing

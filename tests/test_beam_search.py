@@ -34,14 +34,14 @@ def reference_beams(model, prompt, beam_width, max_tokens, length_penalty, eos, 
         if not beams:
             break
         ids = torch.tensor([prompt + tokens for tokens, _ in beams])
-        logprobs = model(ids).logits[:, -1].float().log_softmax(dim=-1)          # [beams, vocab]
+        logprobs = model(ids).logits[:, -1].float().log_softmax(dim=-1)  # [beams, vocab]
         candidates = []
         for (tokens, cum), row in zip(beams, logprobs):
             top = row.topk(2 * beam_width)
             candidates += [(tokens + [t], cum + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
         if transformers_rule:
             candidates.sort(key=lambda c: -c[1])
-            candidates = candidates[:2 * beam_width]
+            candidates = candidates[: 2 * beam_width]
             finished += [c for rank, c in enumerate(candidates) if c[0][-1] == eos and rank < beam_width]
         else:
             finished += [c for c in candidates if c[0][-1] == eos]
@@ -52,22 +52,43 @@ def reference_beams(model, prompt, beam_width, max_tokens, length_penalty, eos, 
 def hf_beams_with_eos(model, prompt, beam_width, max_tokens, length_penalty, eos):
     """transformers' beam search with early_stopping="never": (generated tokens cut after EOS, score) per beam."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, max_new_tokens=max_tokens,
-                         do_sample=False, early_stopping="never", length_penalty=length_penalty, eos_token_id=eos,
-                         pad_token_id=eos, num_return_sequences=beam_width, output_scores=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=beam_width,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        early_stopping="never",
+        length_penalty=length_penalty,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        num_return_sequences=beam_width,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     beams = []
-    for row in out.sequences[:, ids.shape[1]:].tolist():
-        beams.append(row[:row.index(eos) + 1] if eos in row else row)
+    for row in out.sequences[:, ids.shape[1] :].tolist():
+        beams.append(row[: row.index(eos) + 1] if eos in row else row)
     return beams, out.sequences_scores.tolist()
 
 
 def hf_beams(model, prompt, beam_width, max_tokens):
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beam_width, max_new_tokens=max_tokens,
-                         do_sample=False, early_stopping=False, length_penalty=1.0, eos_token_id=None, pad_token_id=0,
-                         num_return_sequences=beam_width, output_scores=True, return_dict_in_generate=True)
-    return out.sequences[:, ids.shape[1]:].tolist(), out.sequences_scores.tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=beam_width,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        early_stopping=False,
+        length_penalty=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+        num_return_sequences=beam_width,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[:, ids.shape[1] :].tolist(), out.sequences_scores.tolist()
 
 
 @pytest.mark.parametrize("beam_width", [2, 4])
@@ -100,8 +121,12 @@ def test_beam_width_is_checked(tiny_model):
     assert_pool_empty(llm)
 
 
-EOS_CASES = [(prompt, beam_width, length_penalty) for prompt in random_prompts(6, seed=12)
-             for beam_width in (2, 4) for length_penalty in (0.0, 1.0, 2.0)]
+EOS_CASES = [
+    (prompt, beam_width, length_penalty)
+    for prompt in random_prompts(6, seed=12)
+    for beam_width in (2, 4)
+    for length_penalty in (0.0, 1.0, 2.0)
+]
 
 
 def test_beams_that_end_in_eos_follow_vllms_rule(eos_model):
@@ -134,8 +159,9 @@ def test_beams_that_end_in_eos_equal_transformers_where_the_rules_agree(eos_mode
             continue
         out = llm.beam_search([prompt], beam_width=beam_width, max_tokens=10, length_penalty=length_penalty)[0]
         assert [s.token_ids for s in out.sequences] == tokens
-        assert [score(s.token_ids, s.cum_logprob, length_penalty) for s in out.sequences] == \
-            pytest.approx(scores, abs=1e-4)
+        assert [score(s.token_ids, s.cum_logprob, length_penalty) for s in out.sequences] == pytest.approx(
+            scores, abs=1e-4
+        )
         agreeing += any(s.finished for s in out.sequences)
     assert agreeing >= 3  # cases with a beam ended by EOS, where the engine equals transformers
 

@@ -59,7 +59,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = list(self.manager.block_tables[seq_id])
         free_before = self.manager.num_free_blocks
         dropped = self.manager.truncate(seq_id, keep)
-        assert dropped == table[len(self.manager.block_tables[seq_id]):][::-1]
+        assert dropped == table[len(self.manager.block_tables[seq_id]) :][::-1]
         now_free = sum(1 for b in dropped if self.manager.ref_count(b) == 0)
         assert self.manager.num_free_blocks == free_before + now_free
         self.lengths[seq_id] = keep
@@ -104,9 +104,9 @@ def test_free_queue_is_fifo_and_removes_from_the_middle():
 
 def test_slot_mapping_follows_the_block_table():
     manager = BlockManager(num_blocks=8, block_size=4)
-    manager.allocate(0, 3)                 # takes block 0
-    manager.allocate(1, 6)                 # takes blocks 1, 2
-    manager.allocate(0, 9)                 # grows into blocks 3, 4
+    manager.allocate(0, 3)  # takes block 0
+    manager.allocate(1, 6)  # takes blocks 1, 2
+    manager.allocate(0, 9)  # grows into blocks 3, 4
     assert manager.block_tables[0] == [0, 3, 4]
     assert manager.slot_mapping(0, 2, 9) == [2, 3, 12, 13, 14, 15, 16]
     assert manager.slot_mapping(1, 0, 6) == [4, 5, 6, 7, 8, 9]
@@ -115,11 +115,11 @@ def test_slot_mapping_follows_the_block_table():
 def test_truncate_gives_back_blocks_past_the_kept_tokens_but_never_a_cached_one():
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     tokens = list(range(20))
-    manager.allocate(0, 13)                                  # blocks 0..3: tokens 0..12, room for 3 more
-    manager.cache_full_blocks(0, tokens, 8)                  # blocks 0, 1 hold accepted tokens 0..7
-    assert manager.truncate(0, 9) == [3]                     # tokens 9..12 were rejected: block 3 held only those
+    manager.allocate(0, 13)  # blocks 0..3: tokens 0..12, room for 3 more
+    manager.cache_full_blocks(0, tokens, 8)  # blocks 0, 1 hold accepted tokens 0..7
+    assert manager.truncate(0, 9) == [3]  # tokens 9..12 were rejected: block 3 held only those
     assert manager.block_tables[0] == [0, 1, 2] and manager.num_free_blocks == 5
-    assert manager.truncate(0, 2) == [2]                     # block 1 is in the prefix cache: it stays
+    assert manager.truncate(0, 2) == [2]  # block 1 is in the prefix cache: it stays
     assert manager.block_tables[0] == [0, 1] and manager.num_cached_blocks == 2
     manager.free(0)
     assert manager.num_free_blocks == 8

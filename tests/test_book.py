@@ -16,8 +16,8 @@ class Page(HTMLParser):
 
     def __init__(self, path: Path):
         super().__init__()
-        self.links: list[str] = []    # <a href>: where a reader may go
-        self.loads: list[str] = []    # src= and <link href>: what the browser fetches on its own
+        self.links: list[str] = []  # <a href>: where a reader may go
+        self.loads: list[str] = []  # src= and <link href>: what the browser fetches on its own
         self.ids: set[str] = set()
         self.error_outputs = 0
         self.feed(path.read_text(encoding="utf-8"))
@@ -32,7 +32,7 @@ class Page(HTMLParser):
             self.loads.append(attrs["href"])
         if attrs.get("src"):
             self.loads.append(attrs["src"])
-        if attrs.get("data-mime-type") == "application/vnd.jupyter.stderr":   # tracebacks and stderr alike
+        if attrs.get("data-mime-type") == "application/vnd.jupyter.stderr":  # tracebacks and stderr alike
             self.error_outputs += 1
 
 
@@ -80,13 +80,23 @@ def test_a_page_shows_no_error_and_its_links_resolve(site, notebook):
 def test_the_checks_see_an_error_and_a_broken_link(tmp_path):
     chapters = tmp_path / "chapters"
     chapters.mkdir()
-    notebook = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("# Chapter 1 · A broken one\n\nSee [the next](02_missing.ipynb)."),
-        nbformat.v4.new_code_cell("1 / 0", outputs=[nbformat.v4.new_output(
-            "error", ename="ZeroDivisionError", evalue="division by zero", traceback=["ZeroDivisionError"])])])
+    notebook = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# Chapter 1 · A broken one\n\nSee [the next](02_missing.ipynb)."),
+            nbformat.v4.new_code_cell(
+                "1 / 0",
+                outputs=[
+                    nbformat.v4.new_output(
+                        "error", ename="ZeroDivisionError", evalue="division by zero", traceback=["ZeroDivisionError"]
+                    )
+                ],
+            ),
+        ]
+    )
     nbformat.write(notebook, chapters / "01_broken.ipynb")
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Contents")]),
-                   chapters / "00_index.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Contents")]), chapters / "00_index.ipynb"
+    )
     index, page = build(tmp_path / "out", chapters=chapters)
     assert broken(index, Page(index)) == []
     parsed = Page(page)

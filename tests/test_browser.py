@@ -25,9 +25,16 @@ pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "screenshots"
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
-CHAPTER = "03_block_tables.ipynb"   # two pool players over block tables, and the real model
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+CHAPTER = "03_block_tables.ipynb"  # two pool players over block tables, and the real model
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +45,9 @@ def browser():
         pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium chromium-driver")
     SHOTS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as profile, sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
-                                                                args=FLAGS, viewport={"width": 1280, "height": 900})
+        context = playwright.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, headless=True, args=FLAGS, viewport={"width": 1280, "height": 900}
+        )
         yield context
         context.close()
 
@@ -54,20 +62,39 @@ def free_port() -> int:
 def lab(tmp_path_factory):
     """JupyterLab on 127.0.0.1, serving a copy of the chapter; yields (url of the notebook, root folder)."""
     root = tmp_path_factory.mktemp("lab") / "chapters"
-    shutil.copytree(ROOT / "chapters", root)          # the chapter with its exercises' check and solutions
+    shutil.copytree(ROOT / "chapters", root)  # the chapter with its exercises' check and solutions
     settings = root / ".settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
-    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')   # every cell in the DOM
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')  # every cell in the DOM
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               JUPYTER_RUNTIME_DIR=str(root / ".runtime"), JUPYTER_CONFIG_DIR=str(root / ".config"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        JUPYTER_RUNTIME_DIR=str(root / ".runtime"),
+        JUPYTER_CONFIG_DIR=str(root / ".config"),
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--ServerApp.root_dir={root}", f"--IdentityProvider.token={token}", "--LabApp.expose_app_in_browser=True",
-         "--allow-root", "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--LabApp.extension_manager=readonly",
-         f"--LabApp.user_settings_dir={root / '.settings'}", f"--LabApp.workspaces_dir={root / '.workspaces'}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--ServerApp.root_dir={root}",
+            f"--IdentityProvider.token={token}",
+            "--LabApp.expose_app_in_browser=True",
+            "--allow-root",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            f"--LabApp.user_settings_dir={root / '.settings'}",
+            f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -106,21 +133,26 @@ def test_a_chapter_runs_in_jupyterlab_and_its_players_respond(browser, lab):
     url, _ = lab
     page = browser.new_page()
     page.goto(url)
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-                           "&& window.jupyterapp.shell.currentWidget.sessionContext.session "
-                           "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
-                           timeout=120_000)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
+        "&& window.jupyterapp.shell.currentWidget.sessionContext.session "
+        "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'",
+        timeout=120_000,
+    )
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    page.wait_for_function(f"() => {{ const s = ({NOTEBOOK_STATE})(); return s && s.kernel === 'idle' && "
-                           "(s.cells.every(c => c.count !== null) || s.cells.some(c => c.errors.length)); }",
-                           timeout=300_000, polling=1000)                 # done, or stopped at an error
+    page.wait_for_function(
+        f"() => {{ const s = ({NOTEBOOK_STATE})(); return s && s.kernel === 'idle' && "
+        "(s.cells.every(c => c.count !== null) || s.cells.some(c => c.errors.length)); }",
+        timeout=300_000,
+        polling=1000,
+    )  # done, or stopped at an error
     state = page.evaluate(NOTEBOOK_STATE)
     page.screenshot(path=str(SHOTS / "lab_chapter_run.png"))
     assert [c["errors"] for c in state["cells"] if c["errors"]] == []
     assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
 
     players = page.locator(".jp-OutputArea-output:has(.widget-slider)")
-    assert players.count() == 2                                      # both pool players rendered as widgets
+    assert players.count() == 2  # both pool players rendered as widgets
     player = players.first
     player.scroll_into_view_if_needed()
     before = slider_and_view(player)
@@ -149,7 +181,7 @@ def test_the_static_edition_renders_offline(browser, book):
         page.on("request", lambda request: requested.append(request.url))
         page.goto((book / page_name(notebook)).as_uri())
         page.wait_for_load_state("load")
-        if "application/vnd.jupyter.widget-view+json" in notebook.read_text():   # it shows a widget
+        if "application/vnd.jupyter.widget-view+json" in notebook.read_text():  # it shows a widget
             page.wait_for_selector(".jupyter-widgets .widget-html, .jupyter-widgets .widget-slider", timeout=30_000)
         page.wait_for_timeout(500)
         page.screenshot(path=str(SHOTS / f"book_{notebook.stem}.png"))

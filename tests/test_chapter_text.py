@@ -55,12 +55,17 @@ def chapter_id(path: Path) -> str:
 
 
 # residue --------------------------------------------------------------------------------------------------------------
-PROGRESS_BAR = re.compile(r"\d+%\||it/s\]|s/it\]|[█▏▎▍▌▋▊▉]")                 # tqdm: " 45%|████▌ | 9/20 [00:01<00:01, 8.2it/s]"
-PLACEHOLDER = re.compile(r"\{[A-Z][A-Z0-9_]+\}")                               # an f-string's field left unformatted
-MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)                            # LaTeX may hold {AB}-like groups
+PROGRESS_BAR = re.compile(r"\d+%\||it/s\]|s/it\]|[█▏▎▍▌▋▊▉]")  # tqdm: " 45%|████▌ | 9/20 [00:01<00:01, 8.2it/s]"
+PLACEHOLDER = re.compile(r"\{[A-Z][A-Z0-9_]+\}")  # an f-string's field left unformatted
+MATH = re.compile(r"\$\$.*?\$\$|\$[^$\n]+\$", re.S)  # LaTeX may hold {AB}-like groups
 STRAY_NOTE = re.compile(r"\(not §\s*\d+\)")
-PHRASES = ("this machine", "when the book is tested", "an earlier run", "when this chapter was executed",
-           "when the book was executed")
+PHRASES = (
+    "this machine",
+    "when the book is tested",
+    "an earlier run",
+    "when this chapter was executed",
+    "when the book was executed",
+)
 
 
 def residue(path: Path) -> list[str]:
@@ -96,9 +101,9 @@ def test_residue_is_found():
 
 # measured figures in prose --------------------------------------------------------------------------------------------
 NUMBER = r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?"
-TIMED = re.compile(NUMBER + r"\s?(ms|µs|us|tok/s)(?![\w/])")       # 37 ms, 5.0 µs, 1,234 tok/s
-RATIO = re.compile(NUMBER + r"[x×](?!\w)")                          # 7.5x, 4×: a speed-up, not "2 × layers"
-QUOTED = re.compile(r"\"[^\"\n]*\"|“[^”]*”")                       # quotations (of the guide) are not our figures
+TIMED = re.compile(NUMBER + r"\s?(ms|µs|us|tok/s)(?![\w/])")  # 37 ms, 5.0 µs, 1,234 tok/s
+RATIO = re.compile(NUMBER + r"[x×](?!\w)")  # 7.5x, 4×: a speed-up, not "2 × layers"
+QUOTED = re.compile(r"\"[^\"\n]*\"|“[^”]*”")  # quotations (of the guide) are not our figures
 
 # Figures a chapter may state without printing them, each with the reason. Keys are (chapter, figure as written).
 EXEMPT = {
@@ -165,8 +170,13 @@ def test_exemptions_are_still_needed():
 # the index ------------------------------------------------------------------------------------------------------------
 def index_rows() -> dict[str, dict[str, str]]:
     """Chapter number -> {column name: cell text} from the table of chapter 00."""
-    lines = [line for cell in cells(INDEX) if cell["cell_type"] == "markdown"
-             for line in text(cell["source"]).splitlines() if line.startswith("|")]
+    lines = [
+        line
+        for cell in cells(INDEX)
+        if cell["cell_type"] == "markdown"
+        for line in text(cell["source"]).splitlines()
+        if line.startswith("|")
+    ]
     header = [h.strip() for h in lines[0].strip().strip("|").split("|")]
     rows = {}
     for line in lines[2:]:
@@ -209,8 +219,12 @@ def test_index_time_is_the_chapters_recorded_running_time(notebook):
 
 
 def section_numbers(path: Path) -> list[int]:
-    return [int(match.group(1)) for cell in cells(path) if cell["cell_type"] == "markdown"
-            for match in re.finditer(r"^## (\d+)\. ", text(cell["source"]), flags=re.MULTILINE)]
+    return [
+        int(match.group(1))
+        for cell in cells(path)
+        if cell["cell_type"] == "markdown"
+        for match in re.finditer(r"^## (\d+)\. ", text(cell["source"]), flags=re.MULTILINE)
+    ]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=chapter_id)

@@ -27,47 +27,126 @@ from paged.model.architectures import ARCHITECTURES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 331        # > the tokenizer's 300 words, as real models pad theirs; not a multiple of 64
+VOCAB = 331  # > the tokenizer's 300 words, as real models pad theirs; not a multiple of 64
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-SHARED = list(range(3, 27))          # a 24-token prefix the prompts share: the prefix cache has work to do
+SHARED = list(range(3, 27))  # a 24-token prefix the prompts share: the prefix cache has work to do
 PROMPTS = [SHARED + [40, 41, 42], SHARED + [7] * 9, SHARED + list(range(100, 117)), [5, 6, 7]]
-ENGINE = dict(block_size=8, num_blocks=12, enable_prefix_caching=True, enable_chunked_prefill=True,
-              max_num_seqs=4, max_num_batched_tokens=16, device="cpu")  # 4 sequences of up to 51 tokens: preemption
+ENGINE = dict(
+    block_size=8,
+    num_blocks=12,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    device="cpu",
+)  # 4 sequences of up to 51 tokens: preemption
 
-COMMON = dict(vocab_size=VOCAB, intermediate_size=160, max_position_embeddings=256, initializer_range=0.1,
-              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    vocab_size=VOCAB,
+    intermediate_size=160,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MODELS = {  # name: (transformers class prefix, settings)
-    "llama-1to1-hd64": ("Llama", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
-                                      num_hidden_layers=3, tie_word_embeddings=False)),
-    "llama-4to1-hd128-llama3rope": ("Llama", dict(
-        hidden_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=128, num_hidden_layers=1,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                   "original_max_position_embeddings": 32})),
-    "mistral-1to1-hd64": ("Mistral", dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2,
-                                          num_hidden_layers=3, sliding_window=None)),
-    "mistral-4to1-hd128-window": ("Mistral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-                                                  head_dim=128, num_hidden_layers=1, sliding_window=128)),
-    "qwen2-1to1-hd128": ("Qwen2", dict(hidden_size=128, num_attention_heads=1, num_key_value_heads=1,
-                                       num_hidden_layers=3, tie_word_embeddings=True)),
-    "qwen2-4to1-hd64": ("Qwen2", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
-                                      num_hidden_layers=1, tie_word_embeddings=False)),
-    "qwen3-1to1-hd64": ("Qwen3", dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
-                                      num_hidden_layers=3, tie_word_embeddings=True)),
-    "qwen3-4to1-hd128": ("Qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-                                       head_dim=128, num_hidden_layers=1, tie_word_embeddings=False)),
+    "llama-1to1-hd64": (
+        "Llama",
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-4to1-hd128-llama3rope": (
+        "Llama",
+        dict(
+            hidden_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=128,
+            num_hidden_layers=1,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 500000.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "mistral-1to1-hd64": (
+        "Mistral",
+        dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=3, sliding_window=None),
+    ),
+    "mistral-4to1-hd128-window": (
+        "Mistral",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=128,
+            num_hidden_layers=1,
+            sliding_window=128,
+        ),
+    ),
+    "qwen2-1to1-hd128": (
+        "Qwen2",
+        dict(
+            hidden_size=128, num_attention_heads=1, num_key_value_heads=1, num_hidden_layers=3, tie_word_embeddings=True
+        ),
+    ),
+    "qwen2-4to1-hd64": (
+        "Qwen2",
+        dict(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            num_hidden_layers=1,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-1to1-hd64": (
+        "Qwen3",
+        dict(
+            hidden_size=96,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_hidden_layers=3,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-4to1-hd128": (
+        "Qwen3",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=128,
+            num_hidden_layers=1,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
 def save_tokenizer(folder) -> None:
     """A 300-word tokenizer ("w0".."w296" and three specials), in transformers' format."""
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
     core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
 
 
 def random_model(name: str, seed: int = 0):
@@ -79,8 +158,10 @@ def random_model(name: str, seed: int = 0):
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param.dim() == 1:
-                param.copy_(torch.randn_like(param) * (0.5 if param_name.endswith("bias") else 0.2)
-                            + (0 if param_name.endswith("bias") else 1))
+                param.copy_(
+                    torch.randn_like(param) * (0.5 if param_name.endswith("bias") else 0.2)
+                    + (0 if param_name.endswith("bias") else 1)
+                )
     return model
 
 
@@ -103,6 +184,7 @@ def folders(tmp_path_factory):
             root, model = tmp_path_factory.mktemp(name), random_model(name)
             made[name] = {"fp32": save(model, root / "fp32"), "bf16": save(model, root / "bf16", torch.bfloat16, True)}
         return made[name]
+
     return get
 
 
@@ -110,12 +192,12 @@ def hf_greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[in
     ids = list(prompt)
     for _ in range(max_tokens):
         ids.append(int(hf_logits(model, ids).argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def load_engine(folder, **kwargs) -> LLM:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # Mistral's sliding-window cap (tested on its own below)
+        warnings.simplefilter("ignore")  # Mistral's sliding-window cap (tested on its own below)
         return LLM(model=str(folder), **{**ENGINE, **kwargs})
 
 
@@ -142,7 +224,7 @@ def test_bf16_shards_equal_transformers_in_bf16_up_to_near_ties(folders, name):
     from transformers', transformers itself must rank the two within a bf16-sized margin, and the sequences part."""
     folder = folders(name)["bf16"]
     assert len(list(folder.glob("*.safetensors"))) > 2 and (folder / "model.safetensors.index.json").is_file()
-    assert load_engine(folder, num_blocks=64).engine.model.dtype == torch.float32   # the default on a CPU
+    assert load_engine(folder, num_blocks=64).engine.model.dtype == torch.float32  # the default on a CPU
     llm = load_engine(folder, dtype=torch.bfloat16)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     for prompt, ours in zip(PROMPTS, tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))):
@@ -154,10 +236,18 @@ def test_bf16_shards_equal_transformers_in_bf16_up_to_near_ties(folders, name):
 def test_lora_on_a_qwen_equals_peft(folders, name, tmp_path):
     """Adapters on every projection: Qwen2's LoRA adds after the bias, Qwen3's before the q/k norms."""
     from peft import LoraConfig, get_peft_model
+
     folder = folders(name)["fp32"]
     base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param_name, param in peft_model.named_parameters():
@@ -181,8 +271,11 @@ def test_a_qwen3_drafts_for_a_qwen3(folders):
     target, other = folders("qwen3-1to1-hd64")["fp32"], folders("qwen3-4to1-hd128")["fp32"]
     plain = tokens(load_engine(target).generate(PROMPTS, GREEDY, use_tqdm=False))
     for draft, everything_accepted in [(other, False), (target, True)]:
-        llm = load_engine(target, num_blocks=24, speculative_config={
-            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+        llm = load_engine(
+            target,
+            num_blocks=24,
+            speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
+        )
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == plain
         stats = llm.spec_stats()
         assert stats["num_draft_tokens"] > 0
@@ -205,8 +298,11 @@ def test_the_geometry_of_every_architecture(folders, name):
     config = transformers.AutoConfig.from_pretrained(folders(name)["fp32"])
     geometry = KVGeometry.from_config(config, torch.bfloat16)
     head_dim = settings.get("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
-    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == \
-        (settings["num_hidden_layers"], settings["num_key_value_heads"], head_dim)
+    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == (
+        settings["num_hidden_layers"],
+        settings["num_key_value_heads"],
+        head_dim,
+    )
     llm = load_engine(folders(name)["fp32"], dtype=torch.bfloat16)
     assert llm.kv_stats()["bytes_per_block"] == geometry.block_bytes(ENGINE["block_size"])
 
@@ -230,6 +326,7 @@ def test_text_prompts_use_the_folders_tokenizer(folders):
 
 def test_a_model_in_the_hugging_face_cache_is_read_offline(folders, tmp_path, monkeypatch):
     import huggingface_hub.constants
+
     cache = tmp_path / "hub"
     snapshot = cache / "models--someone--tiny-qwen3" / "snapshots" / ("0" * 40)
     snapshot.parent.mkdir(parents=True)
@@ -237,14 +334,17 @@ def test_a_model_in_the_hugging_face_cache_is_read_offline(folders, tmp_path, mo
     (cache / "models--someone--tiny-qwen3" / "refs").mkdir()
     (cache / "models--someone--tiny-qwen3" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    assert tokens(load_engine("someone/tiny-qwen3").generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == \
-        tokens(load_engine(snapshot).generate(PROMPTS[:1], GREEDY, use_tqdm=False))
-    with pytest.raises(ValueError, match=f"'someone/absent' is none of them \\(looked in {cache}; nothing is ever "
-                                         f"downloaded"):
+    assert tokens(load_engine("someone/tiny-qwen3").generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == tokens(
+        load_engine(snapshot).generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    )
+    with pytest.raises(
+        ValueError, match=f"'someone/absent' is none of them \\(looked in {cache}; nothing is ever downloaded"
+    ):
         LLM(model="someone/absent", device="cpu")
 
 
 # ---- bad folders ---------------------------------------------------------------------------------------------------
+
 
 def copy_folder(source: Path, target: Path) -> Path:
     target.mkdir()
@@ -266,23 +366,33 @@ def edit_weights(folder: Path, change) -> None:
 
 BAD_FOLDERS = {
     "no config": (lambda f: (f / "config.json").unlink(), "has no config.json"),
-    "unsupported": (lambda f: edit_config(f, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
-                    "GPTNeoXForCausalLM .*runs LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                    "Qwen3ForCausalLM only"),
+    "unsupported": (
+        lambda f: edit_config(f, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"),
+        "GPTNeoXForCausalLM .*runs LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM only",
+    ),
     "mlp bias": (lambda f: edit_config(f, mlp_bias=True), "mlp_bias"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "neither model.safetensors nor"),
-    "missing tensor": (lambda f: edit_weights(f, lambda t: t.pop("model.layers.2.mlp.down_proj.weight")),
-                       "missing tensor 'model.layers.2.mlp.down_proj.weight'"),
-    "unexpected tensor": (lambda f: edit_weights(f, lambda t: t.update(extra=torch.zeros(3))),
-                          "unexpected tensor 'extra'"),
-    "wrong shape": (lambda f: edit_config(f, intermediate_size=96),
-                    "tensor 'model.layers.0.mlp.\\w+_proj.weight' in model.safetensors has shape \\((160, 128|128, 160)"
-                    "\\); config.json says \\((96, 128|128, 96)\\)"),
-    "integer weights": (lambda f: edit_weights(f, lambda t: t.update(
-        {"model.norm.weight": torch.ones(128, dtype=torch.int32)})),
-                        "'model.norm.weight' in model.safetensors has dtype I32"),
-    "truncated": (lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),
-                  "truncated"),
+    "missing tensor": (
+        lambda f: edit_weights(f, lambda t: t.pop("model.layers.2.mlp.down_proj.weight")),
+        "missing tensor 'model.layers.2.mlp.down_proj.weight'",
+    ),
+    "unexpected tensor": (
+        lambda f: edit_weights(f, lambda t: t.update(extra=torch.zeros(3))),
+        "unexpected tensor 'extra'",
+    ),
+    "wrong shape": (
+        lambda f: edit_config(f, intermediate_size=96),
+        "tensor 'model.layers.0.mlp.\\w+_proj.weight' in model.safetensors has shape \\((160, 128|128, 160)"
+        "\\); config.json says \\((96, 128|128, 96)\\)",
+    ),
+    "integer weights": (
+        lambda f: edit_weights(f, lambda t: t.update({"model.norm.weight": torch.ones(128, dtype=torch.int32)})),
+        "'model.norm.weight' in model.safetensors has dtype I32",
+    ),
+    "truncated": (
+        lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),
+        "truncated",
+    ),
     "bad tokenizer": (lambda f: (f / "tokenizer.json").write_text("{not json"), "the tokenizer in .* cannot be read"),
 }
 
@@ -306,12 +416,16 @@ def test_a_missing_shard_is_named(folders, tmp_path):
 
 def test_the_command_line_runs_a_folder(folders, capsys):
     from paged.__main__ import main
+
     folder = folders("qwen3-1to1-hd64")["fp32"]
-    main(["generate", "--model", str(folder), "--max-tokens", "4", "--num-blocks", "32", "--device", "cpu",
-          "w10 w11"])
-    expected = load_engine(folder).generate(["w10 w11"], SamplingParams(max_tokens=4, temperature=0.0),
-                                            use_tqdm=False)[0].outputs[0].text.strip()
-    assert capsys.readouterr().out == f"> w10 w11\n{expected}\n\n"     # no chat template: the prompt as it is
+    main(["generate", "--model", str(folder), "--max-tokens", "4", "--num-blocks", "32", "--device", "cpu", "w10 w11"])
+    expected = (
+        load_engine(folder)
+        .generate(["w10 w11"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+        .outputs[0]
+        .text.strip()
+    )
+    assert capsys.readouterr().out == f"> w10 w11\n{expected}\n\n"  # no chat template: the prompt as it is
     main(["demo", "--model", str(folder), "--max-tokens", "4", "--num-blocks", "64", "--device", "cpu"])
     assert capsys.readouterr().out.startswith(f"{folder} on cpu, 64 blocks of 16 tokens")
 
@@ -345,18 +459,35 @@ PEAK_SCRIPT = textwrap.dedent("""
 def test_loading_holds_the_weights_once(tmp_path):
     """A 100 M-parameter Llama (fp32 in the engine: 400 MB), from one fp32 file and from one bf16 file: the
     process's peak memory grows by less than 1.5x the weights (a second copy of them would be 2x)."""
-    config = transformers.LlamaConfig(vocab_size=32003, hidden_size=768, intermediate_size=3072, num_hidden_layers=9,
-                                      num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=32003,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=9,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    )
     config.architectures = ["LlamaForCausalLM"]
     generator = torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (32003, 768), "model.norm.weight": (768,)}
     for index in range(9):
-        shapes.update({f"model.layers.{index}.{name}": shape for name, shape in {
-            "input_layernorm.weight": (768,), "post_attention_layernorm.weight": (768,),
-            "self_attn.q_proj.weight": (768, 768), "self_attn.k_proj.weight": (256, 768),
-            "self_attn.v_proj.weight": (256, 768), "self_attn.o_proj.weight": (768, 768),
-            "mlp.gate_proj.weight": (3072, 768), "mlp.up_proj.weight": (3072, 768),
-            "mlp.down_proj.weight": (768, 3072)}.items()})
+        shapes.update(
+            {
+                f"model.layers.{index}.{name}": shape
+                for name, shape in {
+                    "input_layernorm.weight": (768,),
+                    "post_attention_layernorm.weight": (768,),
+                    "self_attn.q_proj.weight": (768, 768),
+                    "self_attn.k_proj.weight": (256, 768),
+                    "self_attn.v_proj.weight": (256, 768),
+                    "self_attn.o_proj.weight": (768, 768),
+                    "mlp.gate_proj.weight": (3072, 768),
+                    "mlp.up_proj.weight": (3072, 768),
+                    "mlp.down_proj.weight": (768, 3072),
+                }.items()
+            }
+        )
     tensors = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     folders = [tmp_path / "fp32", tmp_path / "bf16"]
     for folder, dtype in zip(folders, [torch.float32, torch.bfloat16]):
@@ -364,8 +495,13 @@ def test_loading_holds_the_weights_once(tmp_path):
         save_file({name: tensor.to(dtype) for name, tensor in tensors.items()}, folder / "model.safetensors")
     del tensors
     environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, *map(str, folders)], capture_output=True, text=True,
-                            timeout=300, env=environment)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, *map(str, folders)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment,
+    )
     assert result.returncode == 0, result.stderr
     for line, folder in zip(result.stdout.splitlines(), folders):
         weights, growth = map(int, line.split())
@@ -376,4 +512,4 @@ def test_loading_holds_the_weights_once(tmp_path):
 
 def test_every_architecture_is_described():
     assert set(ARCHITECTURES) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-    assert {prefix for prefix, _ in MODELS.values()} == {name[:-len("ForCausalLM")] for name in ARCHITECTURES}
+    assert {prefix for prefix, _ in MODELS.values()} == {name[: -len("ForCausalLM")] for name in ARCHITECTURES}

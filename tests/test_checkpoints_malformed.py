@@ -26,9 +26,9 @@ def rewrite_header(path: Path, change) -> None:
     """Replace a safetensors file's header by change(header) (a JSON value, or raw bytes), data kept."""
     blob = path.read_bytes()
     (length,) = struct.unpack("<Q", blob[:8])
-    header = change(json.loads(blob[8:8 + length]))
+    header = change(json.loads(blob[8 : 8 + length]))
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + length:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + length :])
 
 
 def first_tensor(header: dict) -> str:
@@ -39,6 +39,7 @@ def set_entry(key, value):
     def change(header):
         header[first_tensor(header)][key] = value
         return header
+
     return change
 
 
@@ -48,7 +49,7 @@ def replace_length(path: Path, length: int) -> None:
 
 
 SINGLE = "model.safetensors"
-HEADERS = {   # what is done to model.safetensors -> what the message must say
+HEADERS = {  # what is done to model.safetensors -> what the message must say
     "length past the end": (lambda p: replace_length(p, 2**63), "header length .* runs past the file's end"),
     "length of 2**64 - 1": (lambda p: replace_length(p, 2**64 - 1), "runs past the file's end"),
     "eight bytes only": (lambda p: p.write_bytes(p.read_bytes()[:8]), "runs past the file's end"),
@@ -82,14 +83,16 @@ def test_a_malformed_safetensors_header_is_a_value_error_naming_the_file(good, t
 
 
 INDEX = "model.safetensors.index.json"
-INDEXES = {   # what model.safetensors.index.json holds instead
+INDEXES = {  # what model.safetensors.index.json holds instead
     "not JSON": ("{weight_map", "is malformed"),
     "a list": ("[]", "weight_map must map"),
     "no weight_map": ('{"metadata": {}}', "weight_map must map"),
     "weight_map a list": ('{"weight_map": ["a"]}', "weight_map must map"),
     "a file name a number": ('{"weight_map": {"model.norm.weight": 3}}', "weight_map must map"),
-    "a file outside the folder": ('{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
-                                  "weight_map must map"),
+    "a file outside the folder": (
+        '{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
+        "weight_map must map",
+    ),
     "not UTF-8": (b"\xff\xfe\x00", "is malformed"),
 }
 

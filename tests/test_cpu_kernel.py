@@ -31,9 +31,12 @@ random_query = functools.partial(helpers.random_query, device="cpu")
 decode_call = functools.partial(helpers.decode_call, device="cpu")
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-SHAPES = [(block_size, group, num_kv_heads, head_dim)
-          for block_size in (8, 16, 32, 64, 128) for group, num_kv_heads in ((1, 2), (3, 3), (4, 1), (8, 2))
-          for head_dim in (64, 128)][::3]  # a spread of the combinations; every value of each appears
+SHAPES = [
+    (block_size, group, num_kv_heads, head_dim)
+    for block_size in (8, 16, 32, 64, 128)
+    for group, num_kv_heads in ((1, 2), (3, 3), (4, 1), (8, 2))
+    for head_dim in (64, 128)
+][::3]  # a spread of the combinations; every value of each appears
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,9 +52,13 @@ def assert_close(out, expected, dtype):
 def random_chunks(rng, block_size, count=6):
     """(cached tokens, new tokens) per sequence: prompts whole and chunked, prefix hits on whole blocks,
     chunks that start and end mid-block, one token, and an empty chunk."""
-    chunks = [(0, rng.randint(1, 3 * block_size)), (rng.randint(1, 2 * block_size), rng.randint(1, 40)),
-              (block_size * rng.randint(1, 3), rng.randint(1, block_size)), (rng.randint(1, 200), 1),
-              (rng.randint(0, 50), 0)]
+    chunks = [
+        (0, rng.randint(1, 3 * block_size)),
+        (rng.randint(1, 2 * block_size), rng.randint(1, 40)),
+        (block_size * rng.randint(1, 3), rng.randint(1, block_size)),
+        (rng.randint(1, 200), 1),
+        (rng.randint(0, 50), 0),
+    ]
     return chunks + [(rng.randint(0, 100), rng.randint(1, 60)) for _ in range(count - len(chunks))]
 
 
@@ -60,10 +67,11 @@ def test_decode_matches_the_reference(shape):
     block_size, group, num_kv_heads, head_dim = shape
     rng = random.Random(str(shape))
     lens = [1, block_size - 1, block_size, block_size + 1] + [rng.randint(1, 300) for _ in range(4)]
-    key_cache, value_cache, tables, lens = paged_pool(lens, block_size, num_kv_heads, head_dim, torch.float32,
-                                                      seed=rng.randint(0, 99))
+    key_cache, value_cache, tables, lens = paged_pool(
+        lens, block_size, num_kv_heads, head_dim, torch.float32, seed=rng.randint(0, 99)
+    )
     query = random_query(len(lens), group * num_kv_heads, head_dim, torch.float32, seed=1)
-    args = query, key_cache, value_cache, tables, lens, head_dim ** -0.5
+    args = query, key_cache, value_cache, tables, lens, head_dim**-0.5
     assert_close(cpu.paged_decode_attention(*args), ref.decode_attention(*args), torch.float32)
 
 
@@ -72,12 +80,13 @@ def test_prefill_matches_the_reference(shape):
     block_size, group, num_kv_heads, head_dim = shape
     rng = random.Random(str(shape))
     chunks = random_chunks(rng, block_size)
-    key_cache, value_cache, tables, lens = paged_pool([c + n for c, n in chunks], block_size, num_kv_heads,
-                                                      head_dim, torch.float32, seed=rng.randint(0, 99))
+    key_cache, value_cache, tables, lens = paged_pool(
+        [c + n for c, n in chunks], block_size, num_kv_heads, head_dim, torch.float32, seed=rng.randint(0, 99)
+    )
     query_lens = torch.tensor([n for _, n in chunks])
     query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32)
     query = random_query(int(query_lens.sum()), group * num_kv_heads, head_dim, torch.float32, seed=2)
-    args = query, key_cache, value_cache, tables, query_start_loc, lens, head_dim ** -0.5
+    args = query, key_cache, value_cache, tables, query_start_loc, lens, head_dim**-0.5
     assert_close(cpu.paged_prefill_attention(*args), ref.prefill_attention(*args), torch.float32)
 
 
@@ -110,8 +119,9 @@ def test_reads_nothing_outside_the_context():
 def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():
     """A query sliced from a fused qkv tensor works. A batch of many sequences runs a tile per sequence, a lone
     sequence a tile per KV head, on one thread or two: every row's arithmetic is the same, and so are the bits."""
-    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32,
-                                                      seed=5)
+    key_cache, value_cache, tables, lens = paged_pool(
+        [3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32, seed=5
+    )
     qkv = random_query(8, 15, 64, torch.float32, seed=5)
     query = qkv[:, :9]
     assert not query.is_contiguous()
@@ -121,9 +131,16 @@ def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
             outs.append(cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125))
-            outs.append(torch.cat([cpu.paged_decode_attention(query[s:s + 1], key_cache, value_cache,
-                                                              tables[s:s + 1], lens[s:s + 1], 0.125)
-                                   for s in range(8)]))
+            outs.append(
+                torch.cat(
+                    [
+                        cpu.paged_decode_attention(
+                            query[s : s + 1], key_cache, value_cache, tables[s : s + 1], lens[s : s + 1], 0.125
+                        )
+                        for s in range(8)
+                    ]
+                )
+            )
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(out, outs[0]) for out in outs)
@@ -135,11 +152,11 @@ def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():
 def test_cache_write_matches_write_kv(slot_dtype):
     key_cache, value_cache, _, _ = paged_pool([40], 16, 3, 64, torch.float32, seed=6)
     slots = torch.randperm(key_cache.shape[0] * 16, generator=torch.Generator().manual_seed(6))[:12].to(slot_dtype)
-    slots[[2, 7]] = -1                                                   # skipped tokens
+    slots[[2, 7]] = -1  # skipped tokens
     key, value = random_query(12, 3, 64, torch.float64, seed=7), random_query(12, 3, 64, torch.float64, seed=8)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     ref.write_kv(key, value, expected_k, expected_v, slots)
-    cpu.reshape_and_cache(key, value, key_cache, value_cache, slots)     # float64 rows are cast to the pool's fp32
+    cpu.reshape_and_cache(key, value, key_cache, value_cache, slots)  # float64 rows are cast to the pool's fp32
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
@@ -152,7 +169,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
     gen = torch.Generator().manual_seed(num_tokens)
     qkv = (3 * torch.randn(num_tokens, 15 * 64, generator=gen)).to(dtype)
     cos, sin = (torch.randn(num_tokens, 64, generator=gen).to(dtype) for _ in range(2))
-    qk = qkv[:, :12 * 64].view(num_tokens, 12, 64)                      # 9 query and 3 key heads, strided rows
+    qk = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # 9 query and 3 key heads, strided rows
     expected = apply_rope(qk, cos, sin)
     assert cpu.load().rotary(qk, cos, sin) is qk and torch.equal(qk, expected)
     gate_up = (4 * torch.randn(num_tokens, 2 * 1560, generator=gen)).to(dtype)
@@ -168,7 +185,7 @@ def test_fused_layer_ops_give_the_torch_bits(num_tokens, dtype):
             fused_hidden, torch_hidden = hidden.clone(), hidden.clone()
             fused = cpu.load().rms_norm(fused_hidden, maybe_delta, weight, 1e-5)
             assert torch.equal(fused, add_rms_norm(torch_hidden, maybe_delta, weight, 1e-5))
-            assert torch.equal(fused_hidden, torch_hidden)                # the residual add, in place
+            assert torch.equal(fused_hidden, torch_hidden)  # the residual add, in place
 
 
 def test_fused_silu_and_mul_against_torch_when_torch_splits_a_row_between_threads():
@@ -180,8 +197,12 @@ def test_fused_silu_and_mul_against_torch_when_torch_splits_a_row_between_thread
     threads = torch.get_num_threads()
     differing = 0
     try:
-        for num_threads, width, dtype in [(1, 3000, torch.float32), (2, 1536, torch.float32),
-                                          (2, 3000, torch.float32), (2, 3000, torch.bfloat16)]:
+        for num_threads, width, dtype in [
+            (1, 3000, torch.float32),
+            (2, 1536, torch.float32),
+            (2, 3000, torch.float32),
+            (2, 3000, torch.bfloat16),
+        ]:
             torch.set_num_threads(num_threads)
             for num_tokens in range(1, 49):
                 gen = torch.Generator().manual_seed(num_tokens)
@@ -201,15 +222,18 @@ def test_fused_silu_and_mul_against_torch_when_torch_splits_a_row_between_thread
 
 # --- bad input: the Triton wrappers' messages ---------------------------------------------------------------
 
-CPU_CASES = [(change, message) for change, message in helpers.bad_decode_inputs("cpu")
-             if not {"version", "num_splits"} & change.keys()]          # options of the Triton kernels only
+CPU_CASES = [
+    (change, message)
+    for change, message in helpers.bad_decode_inputs("cpu")
+    if not {"version", "num_splits"} & change.keys()
+]  # options of the Triton kernels only
 
 
 @pytest.mark.parametrize("change, message", CPU_CASES, ids=lambda x: str(x)[:40])
 def test_decode_rejects_bad_input_as_triton_does(change, message):
     call = decode_call(**change)
     with pytest.raises(ValueError, match=message):
-        call()                                                          # the Triton wrapper
+        call()  # the Triton wrapper
     with pytest.raises(ValueError, match=message):
         cpu.paged_decode_attention(**call.keywords)
 
@@ -247,17 +271,24 @@ def test_a_build_without_openmp_gives_the_same_bits(tmp_path):
     """Where the compiler has no OpenMP, the library is built without it (its own name, so it never replaces the
     OpenMP build); its loops then run on one thread and every result keeps its bits. In a process of its own,
     since one process cannot load two libraries of the same ops."""
-    key_cache, value_cache, tables, lens = paged_pool([3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32,
-                                                      seed=7)
+    key_cache, value_cache, tables, lens = paged_pool(
+        [3, 40, 130, 77, 16, 9, 64, 200], 16, 3, 64, torch.float32, seed=7
+    )
     query = random_query(8, 9, 64, torch.float32, seed=7)
     chunk = random_query(12, 9, 64, torch.float32, seed=8)
     starts, chunk_lens = torch.tensor([0, 4, 9, 12], dtype=torch.int32), torch.tensor([40, 9, 16], dtype=torch.int32)
-    inputs = {"decode": (query, key_cache, value_cache, tables, lens, 0.125),
-              "prefill": (chunk, key_cache, value_cache, tables[[1, 5, 4]], starts, chunk_lens, 0.125)}
+    inputs = {
+        "decode": (query, key_cache, value_cache, tables, lens, 0.125),
+        "prefill": (chunk, key_cache, value_cache, tables[[1, 5, 4]], starts, chunk_lens, 0.125),
+    }
     torch.save(inputs, tmp_path / "inputs.pt")
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", WITHOUT_OPENMP, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
-                          cwd=root, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OPENMP, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     decode, prefill = torch.load(tmp_path / "out.pt")
     assert torch.equal(decode, cpu.paged_decode_attention(*inputs["decode"]))
@@ -265,6 +296,7 @@ def test_a_build_without_openmp_gives_the_same_bits(tmp_path):
 
 
 # --- the engine's switch -------------------------------------------------------------------------------------
+
 
 def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeypatch):
     monkeypatch.setattr(cpu, "_ops", None)
@@ -274,7 +306,7 @@ def test_without_a_compiler_the_engine_warns_once_and_uses_the_reference(monkeyp
     with pytest.warns(RuntimeWarning, match="no C.. compiler found .*the engine attends with the torch reference"):
         assert get_attn_backend("cpu", torch.device("cpu")).name == "torch"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                                  # the second time: no warning at all
+        warnings.simplefilter("error")  # the second time: no warning at all
         assert get_attn_backend("cpu", torch.device("cpu")).name == "torch"
 
 

@@ -70,8 +70,9 @@ def test_greedy_with_eos_and_a_crowded_decode_pool_equals_colocated(pair, tiny_m
     for out, colocated in zip(outs, expected):
         ours, theirs = out.outputs[0].logprobs, colocated.outputs[0].logprobs
         assert [list(entry) for entry in ours] == [list(entry) for entry in theirs]
-        assert [lp.logprob for entry in ours for lp in entry.values()] == \
-            pytest.approx([lp.logprob for entry in theirs for lp in entry.values()], abs=1e-4)
+        assert [lp.logprob for entry in ours for lp in entry.values()] == pytest.approx(
+            [lp.logprob for entry in theirs for lp in entry.values()], abs=1e-4
+        )
     assert [o.outputs[0].finish_reason for o in outs] == [o.outputs[0].finish_reason for o in expected]
     for out in outs + expected:  # one time per output token, in both engines
         assert len(out.metrics.token_times) == len(out.outputs[0].token_ids)
@@ -111,21 +112,25 @@ def test_a_request_the_first_token_ends_moves_no_blocks(pair, tiny_model):
     prompts = random_prompts(3, seed=4)
     before = pair.transfer_stats()["blocks_sent"]
     outs = pair.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    expected = make_tiny_llm(tiny_model).generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
-                                                  use_tqdm=False)
+    expected = make_tiny_llm(tiny_model).generate(
+        prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert pair.transfer_stats()["blocks_sent"] == before
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([], SamplingParams(), "empty"),
-    ([300], SamplingParams(), "vocabulary"),
-    ([1] * 600, SamplingParams(), "max_model_len"),
-    ([1] * 300, SamplingParams(max_tokens=100), "decode worker's KV pool"),
-    ([1, 2], SamplingParams(n=2, temperature=1.0), "n must be 1"),
-    ([1, 2], "greedy", "SamplingParams"),
-    ("text", SamplingParams(), "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], SamplingParams(), "empty"),
+        ([300], SamplingParams(), "vocabulary"),
+        ([1] * 600, SamplingParams(), "max_model_len"),
+        ([1] * 300, SamplingParams(max_tokens=100), "decode worker's KV pool"),
+        ([1, 2], SamplingParams(n=2, temperature=1.0), "n must be 1"),
+        ([1, 2], "greedy", "SamplingParams"),
+        ("text", SamplingParams(), "tokenizer"),
+    ],
+)
 def test_bad_input_is_refused_before_anything_is_sent(pair, prompt, params, match):
     before = pair.transfer_stats()
     with pytest.raises(ValueError, match=match):
@@ -135,24 +140,35 @@ def test_bad_input_is_refused_before_anything_is_sent(pair, prompt, params, matc
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"timeout": 0}, "timeout"), ({"timeout": "soon"}, "timeout"), ({"startup_timeout": -1}, "startup_timeout"),
-    ({"num_threads": 0}, "num_threads"),
-    ({"block_size": 12}, "block_size"), ({"preemption_mode": "swap"}, "preemption_mode"),
-    # the engines' own arguments, checked in the caller as each engine would
-    ({"num_blocks": 0}, "num_blocks"), ({"num_blocks": 2.5}, "num_blocks"),
-    ({"kv_cache_memory": 1000}, "kv_cache_memory"), ({"kv_cache_memory": "1GiB"}, "kv_cache_memory"),
-    ({"max_num_seqs": 0}, "max_num_seqs"), ({"max_num_batched_tokens": None}, "max_num_batched_tokens"),
-    ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "max_num_batched_tokens"),
-    ({"seed": 1.5}, "seed"), ({"dtype": "float16"}, "dtype"), ({"attention_backend": "cuda"}, "attention_backend"),
-    ({"speculative_config": {"method": "magic"}}, "speculative_config"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size"),
-    ({"kv_offloading_size": 0.01}, "kv_offloading_size needs enable_prefix_caching"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": ""}, "kv_offload_dir"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
-    ({"enable_lora": True}, "enable_lora"),
-    ({"num_gpu_blocks": 64}, "'num_gpu_blocks' is not an engine argument"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": "soon"}, "timeout"),
+        ({"startup_timeout": -1}, "startup_timeout"),
+        ({"num_threads": 0}, "num_threads"),
+        ({"block_size": 12}, "block_size"),
+        ({"preemption_mode": "swap"}, "preemption_mode"),
+        # the engines' own arguments, checked in the caller as each engine would
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 2.5}, "num_blocks"),
+        ({"kv_cache_memory": 1000}, "kv_cache_memory"),
+        ({"kv_cache_memory": "1GiB"}, "kv_cache_memory"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": None}, "max_num_batched_tokens"),
+        ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "max_num_batched_tokens"),
+        ({"seed": 1.5}, "seed"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"attention_backend": "cuda"}, "attention_backend"),
+        ({"speculative_config": {"method": "magic"}}, "speculative_config"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size"),
+        ({"kv_offloading_size": 0.01}, "kv_offloading_size needs enable_prefix_caching"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": ""}, "kv_offload_dir"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
+        ({"enable_lora": True}, "enable_lora"),
+        ({"num_gpu_blocks": 64}, "'num_gpu_blocks' is not an engine argument"),
+    ],
+)
 def test_bad_settings_are_refused_before_a_worker_starts(tiny_model, kwargs, match):
     before = {child.pid for child in multiprocessing.active_children()}
     with pytest.raises(ValueError, match=match):
@@ -162,8 +178,9 @@ def test_bad_settings_are_refused_before_a_worker_starts(tiny_model, kwargs, mat
     assert {child.pid for child in multiprocessing.active_children()} == before
 
 
-@pytest.mark.parametrize("overrides, match", [(dict(attention_bias=True), "attention_bias"),
-                                              (dict(hidden_act="gelu"), "hidden_act")])
+@pytest.mark.parametrize(
+    "overrides, match", [(dict(attention_bias=True), "attention_bias"), (dict(hidden_act="gelu"), "hidden_act")]
+)
 def test_a_model_the_engine_cannot_run_is_refused_before_a_worker_starts(overrides, match):
     before = {child.pid for child in multiprocessing.active_children()}
     with pytest.raises(ValueError, match=match):
@@ -192,7 +209,7 @@ def test_a_worker_that_dies_while_starting_is_named_at_once(tiny_model, role):
         start_pair(tiny_model, startup_timeout=600)
     named_at = time.monotonic()
     killer.join()
-    assert named_at - killed_at[0] < 10   # seconds, against a startup_timeout of 600
+    assert named_at - killed_at[0] < 10  # seconds, against a startup_timeout of 600
     assert {child.pid for child in multiprocessing.active_children()} <= before
 
 
@@ -238,8 +255,9 @@ def test_the_two_workers_own_their_tier_files_in_one_folder(tiny_model, tmp_path
     system = random_prompts(1, seed=7, low=40, high=41)[0]
     fillers = random_prompts(3, seed=8, low=80, high=81)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with start_pair(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
-                    kv_offload_dir=tmp_path) as llm:
+    with start_pair(
+        tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01, kv_offload_dir=tmp_path
+    ) as llm:
         pids = list(llm.pids.values())
         assert len(list(tmp_path.glob("paged-prefix-*.kv"))) == 2
         llm.generate(random_prompts(1, seed=10, low=16, high=17), SamplingParams(max_tokens=1), use_tqdm=False)
@@ -247,9 +265,9 @@ def test_the_two_workers_own_their_tier_files_in_one_folder(tiny_model, tmp_path
             prompt = system + question
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, 12, stop_at_eos=False)
-            llm.generate([fillers.pop()], params, use_tqdm=False)   # the pools forget the system prompt
+            llm.generate([fillers.pop()], params, use_tqdm=False)  # the pools forget the system prompt
     assert_gone(pids)
-    assert list(tmp_path.iterdir()) == []   # each worker deleted its own file as it stopped
+    assert list(tmp_path.iterdir()) == []  # each worker deleted its own file as it stopped
 
 
 def test_smollm2_answers_paris_disaggregated(smollm2, chat_prompts):

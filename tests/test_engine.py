@@ -33,8 +33,13 @@ def test_preemption_by_recompute_keeps_outputs(tiny_model, reference):
 @pytest.mark.parametrize("budget", [8, 13, 64])
 def test_chunked_prefill_keeps_outputs(tiny_model, reference, budget):
     prompts, expected = reference
-    llm = make_tiny_llm(tiny_model, num_blocks=256, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-                        max_num_seqs=min(budget, 64))
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=budget,
+        max_num_seqs=min(budget, 64),
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert_pool_empty(llm)
@@ -83,7 +88,7 @@ def test_abort_one_completion_frees_its_blocks_and_the_others_go_on(tiny_model):
     while len(seqs) < 3 or len(seqs[1].output_token_ids) < 5:
         engine.step()
     engine.abort_sequence(request_id, 1)
-    assert seqs[1].seq_id not in engine.block_manager.block_tables     # freed at once, not when the others end
+    assert seqs[1].seq_id not in engine.block_manager.block_tables  # freed at once, not when the others end
     assert all(seq.seq_id in engine.block_manager.block_tables for seq in (seqs[0], seqs[2]))
     outputs = {}
     while engine.has_unfinished_requests():
@@ -92,7 +97,7 @@ def test_abort_one_completion_frees_its_blocks_and_the_others_go_on(tiny_model):
     assert [c.token_ids for c in (completions[0], completions[2])] == [expected[0].token_ids, expected[2].token_ids]
     assert completions[1].finish_reason == "abort" and len(completions[1].token_ids) == 5
     assert completions[1].token_ids == expected[1].token_ids[:5]
-    engine.abort_sequence(request_id, 0)   # the request is gone: ignored
+    engine.abort_sequence(request_id, 0)  # the request is gone: ignored
     assert_pool_empty(llm)
 
 
@@ -113,11 +118,13 @@ def test_stop_token_ids_and_max_tokens(tiny_model, reference):
     prompts, expected = reference
     stop = expected[0][5]
     llm = make_tiny_llm(tiny_model, num_blocks=256)
-    out = llm.generate(prompts[0], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids == expected[0][:expected[0].index(stop) + 1]
-    out = llm.generate(prompts[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompts[0], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == expected[0][: expected[0].index(stop) + 1]
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "length" and out.token_ids == expected[0][:3]
 
 
@@ -139,8 +146,10 @@ def test_top_k_zero_and_minus_one_keep_every_token():
 
     def draws(top_k):
         params = SamplingParams(temperature=1.0, top_k=top_k)
-        return [sample(logits, [params], [torch.Generator().manual_seed(seed)], torch.Generator())[0]
-                for seed in range(64)]
+        return [
+            sample(logits, [params], [torch.Generator().manual_seed(seed)], torch.Generator())[0] for seed in range(64)
+        ]
+
     unfiltered = draws(5)
     assert SamplingParams().top_k == 0 and draws(0) == draws(-1) == unfiltered and len(set(unfiltered)) > 2
 
@@ -159,9 +168,15 @@ def test_greedy_tokens_is_argmax(rows, vocab, seed):
 
 
 BAD_PARAMS = [
-    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(temperature=-1.0), "temperature"), (dict(min_p=-0.1), "min_p"),
-    (dict(min_p=1.5), "min_p"), (dict(min_p=float("nan")), "min_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
 ]
 
 
@@ -172,9 +187,12 @@ def test_bad_sampling_params_are_named(kwargs, name):
 
 
 def test_bad_engine_settings_are_named(tiny_model):
-    for kwargs, name in [(dict(block_size=12), "block_size"), (dict(block_size=0), "block_size"),
-                         (dict(num_blocks=0), "num_blocks"),
-                         (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens")]:
+    for kwargs, name in [
+        (dict(block_size=12), "block_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(max_num_seqs=8, max_num_batched_tokens=4), "max_num_batched_tokens"),
+    ]:
         with pytest.raises(ValueError, match=name):
             make_tiny_llm(tiny_model, **kwargs)
 
@@ -184,8 +202,8 @@ def test_bad_prompts_raise_and_leave_the_engine_usable(tiny_model, reference):
     llm = make_tiny_llm(tiny_model, num_blocks=16, block_size=8, max_num_batched_tokens=100)  # 128 slots
     bad = [
         ([], SamplingParams(), "empty"),
-        ([1] * 600, SamplingParams(), "max_model_len"),                     # model holds 512
-        ([1] * 120, SamplingParams(max_tokens=20), "max_tokens"),            # 140 tokens > 128-slot pool
+        ([1] * 600, SamplingParams(), "max_model_len"),  # model holds 512
+        ([1] * 120, SamplingParams(max_tokens=20), "max_tokens"),  # 140 tokens > 128-slot pool
         ([1] * 101, SamplingParams(max_tokens=2), "max_num_batched_tokens"),
         ([300], SamplingParams(), "vocabulary"),
         ("text needs a tokenizer", SamplingParams(), "tokenizer"),
@@ -202,9 +220,50 @@ def test_bad_prompts_raise_and_leave_the_engine_usable(tiny_model, reference):
 @needs_triton
 def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(tiny_model, reference):
     prompts, expected = reference
-    llm = make_tiny_llm(tiny_model, num_blocks=64, attention_backend="triton", enable_chunked_prefill=True,
-                        max_num_batched_tokens=32, max_num_seqs=8)  # chunks, so the prefill kernel also reads cached blocks
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=64,
+        attention_backend="triton",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )  # chunks, so the prefill kernel also reads cached blocks
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [e[:4] for e in expected[:3]]
+    assert_pool_empty(llm)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_core_step_returns_every_new_token_once(tiny_model, speculative):
+    """What core_step() says each sequence gained, put together step by step, is each completion's whole output,
+    with forks (n = 2), chunked prompts, stop tokens and accepted drafts (several tokens in one step)."""
+    spec = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3} if speculative else None
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=256,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        speculative_config=spec,
+    )
+    engine = llm.engine
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[7, 11, 13, 17, 19, 23]),
+    ]
+    for prompt, p in zip(random_prompts(6, seed=9), params * 2):
+        engine.add_request(engine.make_request(prompt, p))
+    streamed, finished, num_multi = {}, {}, 0
+    while engine.has_unfinished_requests():
+        outputs = engine.core_step()
+        for seq, num_new in outputs.new_tokens:
+            assert num_new >= 1
+            num_multi += num_new > 1
+            streamed.setdefault((seq.request.request_id, seq.index), []).extend(seq.output_token_ids[-num_new:])
+        finished |= {o.request_id: o for o in outputs.finished}
+    wanted = {(r, c.index): c.token_ids for r, o in finished.items() for c in o.outputs}
+    assert streamed == wanted and len(wanted) == 8
+    assert (num_multi > 0) == speculative
     assert_pool_empty(llm)

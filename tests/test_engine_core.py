@@ -39,24 +39,55 @@ def test_answers_equal_generate_and_metrics_cross_the_pipe(folder):
     try:
         assert client.max_model_len == llm.engine.max_model_len and client.token_budget is None
         with serve_in_thread(build_app(client, "m")) as url, ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda p: post(url, {"model": "m", "prompt": p, "max_tokens": 12,
-                                                         "temperature": 0, "ignore_eos": True,
-                                                         "return_token_ids": True}).json(), PROMPTS))
+            answers = list(
+                pool.map(
+                    lambda p: post(
+                        url,
+                        {
+                            "model": "m",
+                            "prompt": p,
+                            "max_tokens": 12,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "return_token_ids": True,
+                        },
+                    ).json(),
+                    PROMPTS,
+                )
+            )
             for answer, want in zip(answers, expected):
                 assert answer["choices"][0]["token_ids"] == want.outputs[0].token_ids
                 assert answer["choices"][0]["text"] == want.outputs[0].text
             # a stop string is found on the server's side, which aborts the completion in the engine core
             text = expected[1].outputs[0].text
             stop = text.split()[3]
-            stopped = post(url, {"model": "m", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
-                                 "ignore_eos": True, "stop": [stop]}).json()["choices"][0]
-            assert stopped["finish_reason"] == "stop" and stopped["text"] == text[:text.index(stop)]
-            streamed = httpx.post(f"{url}/v1/completions", timeout=DEADLINE_S, json={
-                "model": "m", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "stream": True}).text
+            stopped = post(
+                url,
+                {
+                    "model": "m",
+                    "prompt": PROMPTS[1],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stop": [stop],
+                },
+            ).json()["choices"][0]
+            assert stopped["finish_reason"] == "stop" and stopped["text"] == text[: text.index(stop)]
+            streamed = httpx.post(
+                f"{url}/v1/completions",
+                timeout=DEADLINE_S,
+                json={
+                    "model": "m",
+                    "prompt": PROMPTS[0],
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ).text
             assert streamed.count("data: ") == 13 and streamed.endswith("data: [DONE]\n\n")
             deadline = time.monotonic() + DEADLINE_S
-            while time.monotonic() < deadline:   # the stopped request's end reaches the metrics a step later
+            while time.monotonic() < deadline:  # the stopped request's end reaches the metrics a step later
                 metrics = httpx.get(f"{url}/metrics", timeout=DEADLINE_S).text
                 if 'vllm:request_success_total{model_name="m"} 5.0' in metrics:
                     break
@@ -73,11 +104,17 @@ def test_a_dead_engine_core_is_reported_not_waited_on(folder):
     client = AsyncMPClient.start(folder, SETTINGS)
     try:
         with serve_in_thread(build_app(client, "m")) as url:
-            body = {"model": "m", "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": "m",
+                "prompt": PROMPTS[1],
+                "max_tokens": 200,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=DEADLINE_S) as stream:
                 lines = stream.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))   # the first tokens came
+                assert next(line for line in lines if line.startswith("data: "))  # the first tokens came
                 os.kill(client._core_process.pid, signal.SIGKILL)
                 rest = "\n".join(lines)
             assert "engine core process has exited" in rest and rest.strip().endswith("data: [DONE]")
@@ -95,9 +132,27 @@ def test_a_bad_setting_is_raised_from_the_engine_core(folder):
 
 def test_the_command_line_serves_from_an_engine_core_and_leaves_no_process(folder):
     port = 8000 + os.getpid() % 1000
-    server = subprocess.Popen([sys.executable, "-m", "paged", "serve", "--model", folder, "--port", str(port),
-                               "--served-model-name", "m", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paged",
+            "serve",
+            "--model",
+            folder,
+            "--port",
+            str(port),
+            "--served-model-name",
+            "m",
+            "--max-num-batched-tokens",
+            "32",
+            "--max-num-seqs",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
@@ -106,14 +161,15 @@ def test_the_command_line_serves_from_an_engine_core_and_leaves_no_process(folde
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        answer = post(f"http://127.0.0.1:{port}", {"model": "m", "prompt": PROMPTS[0], "max_tokens": 4,
-                                                   "ignore_eos": True})
+        answer = post(
+            f"http://127.0.0.1:{port}", {"model": "m", "prompt": PROMPTS[0], "max_tokens": 4, "ignore_eos": True}
+        )
         assert answer.json()["usage"]["completion_tokens"] == 4
         children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
-        assert children                                      # the engine core
+        assert children  # the engine core
         server.send_signal(signal.SIGINT)
         server.wait(timeout=DEADLINE_S)
-        deadline = time.monotonic() + 10     # multiprocessing's resource tracker leaves once it sees the server go
+        deadline = time.monotonic() + 10  # multiprocessing's resource tracker leaves once it sees the server go
         while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [open(f"/proc/{pid}/cmdline").read() for pid in children if os.path.exists(f"/proc/{pid}")]

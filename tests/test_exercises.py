@@ -27,10 +27,12 @@ def test_unanswered_right_and_wrong(capsys, monkeypatch):
     ex.check("3", 0.30000000000000004, 0.3, tolerance=1e-12)
     assert capsys.readouterr().out.splitlines() == [
         "exercise 1: replace ... with your answer and run the cell again",
-        "exercise 2: replace ... with your answer and run the cell again", "exercise 3: correct"]
+        "exercise 2: replace ... with your answer and run the cell again",
+        "exercise 3: correct",
+    ]
     with pytest.raises(AssertionError, match="exercise 1: 41 is not it. Hint: six times seven") as error:
         ex.check("1", 41, 42, hint="six times seven")
-    assert "42" not in str(error.value)                          # the answer is never shown
+    assert "42" not in str(error.value)  # the answer is never shown
     with pytest.raises(AssertionError):
         ex.check("2", (3, 0.6), (3, 0.5), tolerance=0.05)
 
@@ -49,7 +51,7 @@ def test_solutions_are_checked_where_the_reader_has_not_answered(solutions, caps
     ex = exercises.Exercises("99_test")
     ex.check("1", ..., lambda: 42)
     ex.check("2", ..., (3, 0.51), tolerance=0.02)
-    assert capsys.readouterr().out.count("replace ... with your answer") == 2   # the reader sees no difference
+    assert capsys.readouterr().out.count("replace ... with your answer") == 2  # the reader sees no difference
     with pytest.raises(AssertionError, match="exercise 1: 42, but the check computes 43"):
         ex.check("1", ..., 43)
     with pytest.raises(AssertionError, match="has no answer to exercise 5"):

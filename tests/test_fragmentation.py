@@ -44,10 +44,10 @@ def test_first_fit_strands_free_space():
     starts = [arena.allocate(3), arena.allocate(3), arena.allocate(3)]
     assert starts == [0, 3, 6]
     arena.free(0, 3)
-    arena.free(6, 3)                          # 7 slots free, in holes of 3 and 4
+    arena.free(6, 3)  # 7 slots free, in holes of 3 and 4
     assert (arena.free_slots, arena.largest_hole) == (7, 4)
-    assert arena.allocate(5) is None           # fits in the total, in no hole: external fragmentation
-    arena.free(3, 3)                           # the holes merge back into one
+    assert arena.allocate(5) is None  # fits in the total, in no hole: external fragmentation
+    arena.free(3, 3)  # the holes merge back into one
     assert arena.holes == [(0, 10)]
 
 
@@ -58,7 +58,7 @@ def test_external_fragmentation_makes_a_request_wait():
     naive = simulate(trace, "oracle", capacity=12, max_model_len=16, layout_every=1)
     assert naive.counts[:, EXTERNAL].tolist() == [0, 8, 8, 0]
     assert naive.layouts[1].tolist() == [EXTERNAL] * 4 + [LIVE] * 3 + [RESERVED] + [EXTERNAL] * 4
-    paged = simulate(trace, 2, capacity=12, max_model_len=16)     # blocks need no single hole
+    paged = simulate(trace, 2, capacity=12, max_model_len=16)  # blocks need no single hole
     assert paged.counts[:, EXTERNAL].sum() == 0
     assert (naive.finished, paged.finished) == (4, 4)
     assert len(paged.steps) < len(naive.steps)
@@ -93,7 +93,7 @@ def test_live_share_is_the_papers_quantity():
     np.testing.assert_allclose(result.live_share[loaded] * 8192, result.utilisation[loaded] * allocated[loaded])
     summary = result.summary()
     assert summary["live_fraction"] == pytest.approx(result.live_share[loaded].mean())
-    assert summary["live_fraction"] < summary["utilisation"]   # pow2 strands memory in holes
+    assert summary["live_fraction"] < summary["utilisation"]  # pow2 strands memory in holes
 
 
 def test_breakdown_fields_sum_to_capacity_and_layouts_agree():
@@ -104,17 +104,20 @@ def test_breakdown_fields_sum_to_capacity_and_layouts_agree():
         assert np.bincount(states, minlength=5).tolist() == result.counts[row].tolist()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(scheme="best"), "policy must be one of"),
-    (dict(scheme=12), "block_size must be a power of two"),
-    (dict(scheme=16, capacity=0), "capacity must be a positive number"),
-    (dict(scheme="max", capacity=1000), "needs more than the pool's capacity"),
-    (dict(scheme=16, max_model_len=100), "more than max_model_len"),
-    (dict(scheme=16, step_time=0), "step_time must be > 0"),
-    (dict(scheme=16, max_num_seqs=0), "max_num_seqs must be a positive integer"),
-    (dict(scheme=16, layout_every=-1), "layout_every must be an integer >= 0"),
-    (dict(scheme=16, trace=[]), "trace must hold at least one request"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(scheme="best"), "policy must be one of"),
+        (dict(scheme=12), "block_size must be a power of two"),
+        (dict(scheme=16, capacity=0), "capacity must be a positive number"),
+        (dict(scheme="max", capacity=1000), "needs more than the pool's capacity"),
+        (dict(scheme=16, max_model_len=100), "more than max_model_len"),
+        (dict(scheme=16, step_time=0), "step_time must be > 0"),
+        (dict(scheme=16, max_num_seqs=0), "max_num_seqs must be a positive integer"),
+        (dict(scheme=16, layout_every=-1), "layout_every must be an integer >= 0"),
+        (dict(scheme=16, trace=[]), "trace must hold at least one request"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     kwargs = dict(trace=[TraceRequest(0, 100, 100, 0.0)], capacity=4096) | kwargs
     with pytest.raises(ValueError, match=message):
@@ -138,11 +141,11 @@ def test_every_request_finishes_and_everything_is_freed(lengths, scheme, capacit
     assert result.final_free_slots == (capacity if isinstance(scheme, str) else capacity // scheme * scheme)
     assert (result.counts.sum(1) == result.counts[0].sum()).all()
     if isinstance(scheme, int):
-        assert (result.max_slack < scheme).all()             # paged waste per request < block_size
+        assert (result.max_slack < scheme).all()  # paged waste per request < block_size
         assert result.counts[:, EXTERNAL].sum() == 0
     else:
-        assert result.preemptions == result.recomputed_tokens == 0   # a slab never grows: nothing is preempted
-    assert result.recomputed_tokens >= result.preemptions            # a victim holds at least one token
+        assert result.preemptions == result.recomputed_tokens == 0  # a slab never grows: nothing is preempted
+    assert result.recomputed_tokens >= result.preemptions  # a victim holds at least one token
 
 
 def test_a_preemption_counts_the_tokens_a_recompute_prefills_again():
@@ -166,8 +169,8 @@ def test_arena_slabs_never_overlap(operations):
             arena.free(*slabs.pop(size % len(slabs)))
         used = np.zeros(100, dtype=int)
         for start, size in slabs:
-            used[start:start + size] += 1
+            used[start : start + size] += 1
         for start, size in arena.holes:
-            used[start:start + size] += 1
-        assert (used == 1).all()                       # every slot in exactly one slab or one hole
-        assert all(a[0] + a[1] < b[0] for a, b in zip(arena.holes, arena.holes[1:]))   # holes coalesced
+            used[start : start + size] += 1
+        assert (used == 1).all()  # every slot in exactly one slab or one hole
+        assert all(a[0] + a[1] < b[0] for a, b in zip(arena.holes, arena.holes[1:]))  # holes coalesced

@@ -52,8 +52,9 @@ def test_the_figures_the_guide_gets_right(rows):
         "naive: requests a 200 GiB KV budget admits": 320,
         "paged: requests a 200 GiB KV budget admits at a mean of 400": 1638,
         "paged: 200 requests x 125 MiB": pytest.approx(25000 / 1024),
-        "§8: memory left per card, the same weights over four 80 GB H100s":
-            pytest.approx((81559 * 2 ** 20 - 35.3e9) / 2 ** 30),
+        "§8: memory left per card, the same weights over four 80 GB H100s": pytest.approx(
+            (81559 * 2**20 - 35.3e9) / 2**30
+        ),
     }
 
 
@@ -63,27 +64,29 @@ def test_every_correction_with_its_right_figure(rows):
         "§1: reserved KV per KV in use, the paper's measurement (guide: '5-10x')": pytest.approx(1 / 0.382),
         "naive: 'Used' = 200 requests x 400 tokens x 320 KiB": pytest.approx(25000 / 1024),
         "§8: the naive batch the 200 GiB budget admits (guide: 'from 64')": 320,
-        "time to read those 16 MiB at 3.35 TB/s": pytest.approx(16 * 2 ** 20 / 3.35e12 * 1e6),
+        "time to read those 16 MiB at 3.35 TB/s": pytest.approx(16 * 2**20 / 3.35e12 * 1e6),
         "a fork's write into a shared partial block is rare (§10: 'very rare')": False,
         "§13: end-to-end latency = TTFT + output_length x TPOT": False,
         "tokens per step: 75 % acceptance, 5 drafted tokens": pytest.approx(3.2881, abs=1e-4),
         "worst tail waste of one request, block size 16": pytest.approx(4.6875),
-        "§1: memory left per card, 70B fp16 weights on two 80 GB H100s": pytest.approx((2 * 85.52e9 - 141.2e9) / 2e9,
-                                                                                       abs=0.01),
+        "§1: memory left per card, 70B fp16 weights on two 80 GB H100s": pytest.approx(
+            (2 * 85.52e9 - 141.2e9) / 2e9, abs=0.01
+        ),
         "§9: FLOPs that 1.5 B cached prefill tokens save, Llama-3-70B": pytest.approx(2.118e20),
         "§9: LRU replacement shows Belady's anomaly": False,
         "§12: steps to prefill an 8,000-token prompt, budget 2,048, beside the running decodes": 5,
-        "§16: a LoRA adapter's share of its model's weights (rank 16 on q and v, Llama-2-7B)": pytest.approx(0.1245,
-                                                                                                        abs=1e-4),
+        "§16: a LoRA adapter's share of its model's weights (rank 16 on q and v, Llama-2-7B)": pytest.approx(
+            0.1245, abs=1e-4
+        ),
         "§18: vLLM V1 turns prefix caching on by default": True,
         "§18: batch at which Llama-3-70B decode on an H100 turns compute-bound, 1,024-token context": 932,
     }
-    assert all(row.note for row in corrections())          # every correction says why
+    assert all(row.note for row in corrections())  # every correction says why
 
 
 def test_an_h100_is_counted_as_nvml_reports_it():
-    assert H100_MEMORY == 81559 * 2 ** 20
-    assert 79.6 < H100_MEMORY / 2 ** 30 < 79.7 and 85.5 < H100_MEMORY / 1e9 < 85.6
+    assert H100_MEMORY == 81559 * 2**20
+    assert 79.6 < H100_MEMORY / 2**30 < 79.7 and 85.5 < H100_MEMORY / 1e9 < 85.6
 
 
 def test_shown_values_read_as_the_book_prints_them():
@@ -92,8 +95,7 @@ def test_shown_values_read_as_the_book_prints_them():
     assert shown["naive: 'Used' = 200 requests x 400 tokens x 320 KiB"] == ("24.4 GiB", "25.0 GiB", "corrected")
     assert shown["paged: 200 requests x 125 MiB"] == ("24.4 GiB", "24.4 GiB", "agrees")
     assert shown["worst tail waste of one request, block size 16"] == ("4.69 MiB", "4.8 MiB", "corrected")
-    assert shown["§8: memory left per card, the same weights over four 80 GB H100s"] == ("46.8 GiB", "50 GiB",
-                                                                                         "agrees")
+    assert shown["§8: memory left per card, the same weights over four 80 GB H100s"] == ("46.8 GiB", "50 GiB", "agrees")
     assert shown["§1: memory left per card, 70B fp16 weights on two 80 GB H100s"] == ("14.9 GB", "20 GB", "corrected")
     assert shown["tokens per step: 75 % acceptance, 5 drafted tokens"] == ("3.29 tokens", "4 tokens", "corrected")
     assert shown["KV cache per token, Llama-3-70B fp16"] == ("320 KiB", "320 KiB", "agrees")
@@ -106,13 +108,13 @@ def test_the_verdict_is_computed_at_the_stated_precision():
     assert GuideNumber("01", "x", 79.5, "%", 80).agrees
     assert not GuideNumber("01", "x", 4.69, "MiB", 4.8, 1).agrees
     assert GuideNumber("01", "x", False, "", False).agrees and not GuideNumber("01", "x", True, "", False).agrees
-    assert GuideNumber("01", "x", 46.8, "GiB", 50, -1).agrees          # "~50": a round figure, compared at tens
+    assert GuideNumber("01", "x", 46.8, "GiB", 50, -1).agrees  # "~50": a round figure, compared at tens
     assert not GuideNumber("01", "x", 14.9, "GB", 20, -1).agrees
 
 
 def test_the_roofline_ridge_and_the_e2e_formula():
     g = KVGeometry.llama3_70b()
-    assert 256 <= compute_bound_batch(g, LLAMA3_70B_PARAMS, 512) <= 512      # the guide's range, at 512 tokens
+    assert 256 <= compute_bound_batch(g, LLAMA3_70B_PARAMS, 512) <= 512  # the guide's range, at 512 tokens
     assert compute_bound_batch(g, LLAMA3_70B_PARAMS, 1024) > 512
     assert compute_bound_batch(g, LLAMA3_70B_PARAMS, 2048) is None
     assert not e2e_formula_holds() and not e2e_formula_holds(0.5, 0.02, 100)
@@ -129,15 +131,16 @@ def chapter_prose(chapter: str) -> str:
 @pytest.mark.parametrize("row", guide_numbers(), ids=lambda row: f"{row.chapter}: {row.figure}")
 def test_the_chapter_a_row_names_discusses_it(row):
     assert row.key, "every row names what its chapter says"
-    assert re.search(row.key, chapter_prose(row.chapter), re.S | re.I), \
+    assert re.search(row.key, chapter_prose(row.chapter), re.S | re.I), (
         f"chapter {row.chapter}'s prose never matches {row.key!r}"
+    )
 
 
 def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1                  # every draft rejected: the target's own token
-    assert expected_tokens(1.0, 5) == 6                  # all accepted, plus the bonus token
+    assert expected_tokens(0.0, 5) == 1  # every draft rejected: the target's own token
+    assert expected_tokens(1.0, 5) == 6  # all accepted, plus the bonus token
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)
-    assert expected_tokens(0.75, 5) == pytest.approx(sum(0.75 ** i for i in range(6)))
+    assert expected_tokens(0.75, 5) == pytest.approx(sum(0.75**i for i in range(6)))
     with pytest.raises(ValueError, match="acceptance"):
         expected_tokens(1.5, 5)
 
@@ -170,9 +173,17 @@ def test_lora_weights_are_those_peft_adds_to_a_llama_2_7b():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from paged.analysis.guide_numbers import LLAMA2_7B_PARAMS, lora_weights
-    config = LlamaConfig(vocab_size=32_000, hidden_size=4096, intermediate_size=11_008, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False)
-    with torch.device("meta"):                    # shapes only
+
+    config = LlamaConfig(
+        vocab_size=32_000,
+        hidden_size=4096,
+        intermediate_size=11_008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):  # shapes only
         model = LlamaForCausalLM(config)
     assert sum(p.numel() for p in model.parameters()) == LLAMA2_7B_PARAMS
     peft_model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))

@@ -27,11 +27,19 @@ def test_decode_step_times_times_the_whole_batch_and_leaves_the_pool_empty(tiny_
     assert row["batch"] == 3 and row["step_s"] > 0 and {f"{p}_s" for p in PARTS} <= set(row)
     assert_pool_empty(llm)
     model = llm.engine.model
-    weights = sum(t.numel() * t.element_size() for layer in model.layers for t in vars(layer).values()
-                  if isinstance(t, torch.Tensor)) + model.lm_head.nbytes + model.final_norm.nbytes
-    per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * 4   # K and V, fp32
+    weights = (
+        sum(
+            t.numel() * t.element_size()
+            for layer in model.layers
+            for t in vars(layer).values()
+            if isinstance(t, torch.Tensor)
+        )
+        + model.lm_head.nbytes
+        + model.final_norm.nbytes
+    )
+    per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * 4  # K and V, fp32
     assert step_bytes(llm.engine, 0) == weights
-    assert row["bytes"] == weights + 3 * (10 + 3) * per_token   # the middle step attends to 10 prompt + 3 new tokens
+    assert row["bytes"] == weights + 3 * (10 + 3) * per_token  # the middle step attends to 10 prompt + 3 new tokens
 
 
 def test_decode_step_times_refuses_a_busy_engine_or_a_batch_that_does_not_fit(tiny_model):

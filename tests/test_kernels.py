@@ -38,13 +38,14 @@ def assert_close(out, expected, dtype):
 
 # --- cache write -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cache_dtype, slot_dtype", [(torch.float32, torch.int64), (torch.float16, torch.int32)])
 def test_reshape_and_cache_matches_write_kv(cache_dtype, slot_dtype):
     key_cache, value_cache, _, _ = paged_pool([40], 16, 3, 64, cache_dtype, seed=0)
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     slots = torch.randperm(num_slots, generator=torch.Generator().manual_seed(1))[:12].to(slot_dtype)
-    slots[[2, 7]] = -1                                                   # skipped tokens
-    key = random_query(12, 3, 64, torch.float32, seed=2)                 # fp32 into an fp16 pool is cast
+    slots[[2, 7]] = -1  # skipped tokens
+    key = random_query(12, 3, 64, torch.float32, seed=2)  # fp32 into an fp16 pool is cast
     value = random_query(12, 3, 64, torch.float32, seed=3)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     ref.write_kv(key, value, expected_k, expected_v, slots.to(KERNEL_DEVICE))
@@ -56,7 +57,7 @@ def test_reshape_and_cache_matches_write_kv(cache_dtype, slot_dtype):
 # (block_size, num_heads, num_kv_heads, head_dim, dtype): block sizes 8/16/32, GQA 1/3/8, head_dim 64/128.
 DECODE_CASES = [
     (8, 2, 2, 64, torch.float32),
-    (16, 9, 3, 64, torch.float32),        # SmolLM2's heads
+    (16, 9, 3, 64, torch.float32),  # SmolLM2's heads
     (32, 8, 1, 128, torch.float32),
     (8, 6, 2, 128, torch.float16),
     (16, 16, 2, 64, torch.float16),
@@ -90,12 +91,15 @@ def test_decode_v2_every_split_count(num_splits):
 def test_decode_default_version_and_strided_query():
     """version=None picks a kernel; a query sliced out of a fused qkv tensor (non-contiguous) works."""
     query, key_cache, value_cache, block_tables, lens, scale = decode_inputs(16, 9, 3, 64, torch.float32)
-    qkv = torch.cat([query, torch.zeros_like(query)], dim=-1)                   # [num_seqs, num_heads, 2 * head_dim]
+    qkv = torch.cat([query, torch.zeros_like(query)], dim=-1)  # [num_seqs, num_heads, 2 * head_dim]
     strided = qkv[..., :64]
     assert not strided.is_contiguous()
     expected = ref.decode_attention(query, key_cache, value_cache, block_tables, lens, scale)
-    assert_close(kernels.paged_decode_attention(strided, key_cache, value_cache, block_tables, lens, scale),
-                 expected, torch.float32)
+    assert_close(
+        kernels.paged_decode_attention(strided, key_cache, value_cache, block_tables, lens, scale),
+        expected,
+        torch.float32,
+    )
 
 
 def test_head_dim_not_a_power_of_two():
@@ -122,11 +126,12 @@ PREFILL_CASES = [
 def test_prefill(case):
     block_size, num_heads, num_kv_heads, head_dim, dtype = case
     key_cache, value_cache, block_tables, lens = paged_pool(
-        [p + n for p, n in CHUNKS], block_size, num_kv_heads, head_dim, dtype, seed=4)
+        [p + n for p, n in CHUNKS], block_size, num_kv_heads, head_dim, dtype, seed=4
+    )
     query_lens = torch.tensor([n for _, n in CHUNKS])
     query_start_loc = torch.cat([torch.zeros(1), query_lens.cumsum(0)]).to(torch.int32).to(KERNEL_DEVICE)
     query = random_query(int(query_lens.sum()), num_heads, head_dim, dtype, seed=4)
-    args = query, key_cache, value_cache, block_tables, query_start_loc, lens, head_dim ** -0.5
+    args = query, key_cache, value_cache, block_tables, query_start_loc, lens, head_dim**-0.5
     assert_close(kernels.paged_prefill_attention(*args), ref.prefill_attention(*args), dtype)
 
 
@@ -134,13 +139,13 @@ def test_prefill_of_one_token_is_decode():
     """A chunk of one token per sequence is a decode step: the two kernels agree."""
     query, key_cache, value_cache, block_tables, lens, scale = decode_inputs(16, 9, 3, 64, torch.float32)
     query_start_loc = torch.arange(len(lens) + 1, dtype=torch.int32, device=KERNEL_DEVICE)
-    prefill = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                              lens, scale)
+    prefill = kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, lens, scale)
     decode = kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale)
     assert_close(prefill, decode, torch.float32)
 
 
 # --- bad input ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("change, message", bad_decode_inputs(), ids=lambda x: str(x)[:40])
 def test_decode_rejects_bad_input(change, message):
@@ -174,6 +179,7 @@ def test_reshape_and_cache_rejects_bad_input():
 
 
 # --- the benchmark's CPU dry run ---------------------------------------------------------------------------
+
 
 def test_benchmark_dry_run(tmp_path):
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_bench.py"

@@ -43,8 +43,14 @@ def hand_over(producer, consumer, prompts, params, lora_request=None) -> list:
         for saved in producer.kv_connector.take_saved():
             request = saved.request
             consumer.kv_connector.receive(request.request_id, saved.kv)
-            consumer.add_request(consumer.make_request(request.prompt_token_ids, original[request.request_id],
-                                                       request.request_id, lora_request=request.lora_request))
+            consumer.add_request(
+                consumer.make_request(
+                    request.prompt_token_ids,
+                    original[request.request_id],
+                    request.request_id,
+                    lora_request=request.lora_request,
+                )
+            )
             sent.add(request.request_id)
         done |= {out.request_id: out for out in outputs if out.request_id not in sent}
     while consumer.has_unfinished_requests():
@@ -85,9 +91,11 @@ class CountingConsumer(KVConsumer):
 
 def test_handed_over_requests_give_the_colocated_engines_tokens(tiny_model):
     prompts = random_prompts(6, seed=11) + [[5], list(range(1, 9)), list(range(1, 10)), list(range(3, 20))]
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 6 + \
-             [SamplingParams(max_tokens=6, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)] + \
-             [SamplingParams(max_tokens=1, temperature=0.0)]
+    params = (
+        [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 6
+        + [SamplingParams(max_tokens=6, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)]
+        + [SamplingParams(max_tokens=1, temperature=0.0)]
+    )
     expected = make_tiny_llm(tiny_model).generate(prompts, params, use_tqdm=False)
     producer = make_tiny_llm(tiny_model, kv_connector=KVProducer())
     consumer = make_tiny_llm(tiny_model, kv_connector=(counting := CountingConsumer()))
@@ -105,6 +113,7 @@ def test_handed_over_requests_give_the_colocated_engines_tokens(tiny_model):
 
 class ProducerFailingOnce(KVProducer):
     """Raises once, right after its first save: the step is undone, the copy with it."""
+
     failed = False
 
     def wait_for_save(self, kv_cache):
@@ -116,6 +125,7 @@ class ProducerFailingOnce(KVProducer):
 
 class ConsumerFailingOnce(KVConsumer):
     """Raises once, right after its first load: the step is undone, and the received blocks wait again."""
+
     failed = False
 
     def start_load_kv(self, kv_cache, metadata):
@@ -148,7 +158,7 @@ def test_the_consumers_prefix_cache_serves_a_shared_prefix(tiny_model):
     outs = [hand_over(producer, consumer, [prompt], [params])[0] for prompt in prompts]  # one after the other
     assert token_ids(outs) == token_ids(make_tiny_llm(tiny_model).generate(prompts, params, use_tqdm=False))
     assert consumer.kv_stats()["prefix_hit_tokens"] == 24
-    assert counting.loaded_blocks == [4, 1]   # tokens 0..27, then 24..28
+    assert counting.loaded_blocks == [4, 1]  # tokens 0..27, then 24..28
     assert_ref_counts_exact(consumer.engine.block_manager)
     assert consumer.kv_stats()["num_free_blocks"] == consumer.kv_stats()["num_blocks"]
 
@@ -173,11 +183,19 @@ def test_a_request_under_an_adapter_is_handed_over(tiny_model, tmp_path):
 
 # ---- the scheduler half, without a model ---------------------------------------------------------------------------
 
+
 def make_side(connector, num_blocks=16, block_size=4, enable_prefix_caching=True):
     """A scheduler with its connector and a pool of one layer, one head, head_dim 1 (values only, no model)."""
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=64,
-                          max_model_len=64, vocab_size=100, eos_token_ids=[EOS],
-                          enable_prefix_caching=enable_prefix_caching)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        vocab_size=100,
+        eos_token_ids=[EOS],
+        enable_prefix_caching=enable_prefix_caching,
+    )
     scheduler = Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), kv_connector=connector)
     return scheduler, KVCache(1, 1, 1, num_blocks, block_size)
 
@@ -191,8 +209,13 @@ def run_step(scheduler, kv_cache, token: int = 7) -> list:
 
 
 def new_request(request_id, prompt, max_tokens, remote=False) -> Request:
-    request = Request(request_id, None, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                      RequestMetrics(arrival_time=0.0))
+    request = Request(
+        request_id,
+        None,
+        list(prompt),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        RequestMetrics(arrival_time=0.0),
+    )
     request.kv_transfer_params = {"do_remote_decode": remote}
     return request
 
@@ -201,17 +224,21 @@ def test_the_producer_keeps_a_finished_prefills_blocks_until_they_are_saved():
     producer = KVProducer()
     scheduler, kv_cache = make_side(producer)
     kv_cache.storage.copy_(torch.arange(kv_cache.storage.numel(), dtype=torch.float32).view_as(kv_cache.storage))
-    remote, local, stopped = new_request("r", range(10, 19), 1, True), new_request("l", range(20, 25), 1), \
-        new_request("s", range(30, 36), 1, True)
+    remote, local, stopped = (
+        new_request("r", range(10, 19), 1, True),
+        new_request("l", range(20, 25), 1),
+        new_request("s", range(30, 36), 1, True),
+    )
     for request in (remote, local, stopped):
         scheduler.add_request(request)
     plan = scheduler.schedule()
     tables = {seq.request.request_id: list(scheduler.block_manager.block_tables[seq.seq_id]) for seq, _ in plan.batch}
-    tokens = {"r": 7, "l": 7, "s": EOS}      # the first token ends "s": nothing to hand over
+    tokens = {"r": 7, "l": 7, "s": EOS}  # the first token ends "s": nothing to hand over
     scheduler.update_from_output(plan, [(seq, [tokens[seq.request.request_id]]) for seq, _ in plan.batch])
     assert not scheduler.has_unfinished() and list(scheduler.sending) == ["r"]
-    assert scheduler.block_manager.num_free_blocks == 16 - 3 and set(scheduler.block_manager.block_tables) == \
-        {remote.seqs[0].seq_id}
+    assert scheduler.block_manager.num_free_blocks == 16 - 3 and set(scheduler.block_manager.block_tables) == {
+        remote.seqs[0].seq_id
+    }
     producer.wait_for_save(kv_cache)
     scheduler.update_from_kv_xfer_finished(producer.get_finished())
     (saved,) = producer.take_saved()
@@ -223,11 +250,11 @@ def test_the_producer_keeps_a_finished_prefills_blocks_until_they_are_saved():
 def test_the_consumer_loads_past_the_prefix_hit_and_computes_the_last_prompt_token():
     consumer = KVConsumer()
     scheduler, kv_cache = make_side(consumer)
-    prefix = list(range(10, 18))                   # two blocks of 4
+    prefix = list(range(10, 18))  # two blocks of 4
     first = new_request("a", prefix + [1, 2, 3], 2)
     scheduler.add_request(first)
     while scheduler.has_unfinished():
-        run_step(scheduler, kv_cache)              # computed here: its blocks enter the prefix cache
+        run_step(scheduler, kv_cache)  # computed here: its blocks enter the prefix cache
     received = torch.full((2, 1, 3, 4, 1, 1), 5.0)  # 3 blocks of the producer's, for an 11-token prompt
     consumer.receive("b", received)
     second = new_request("b", prefix + [4, 5, 6], 3)
@@ -236,14 +263,14 @@ def test_the_consumer_loads_past_the_prefix_hit_and_computes_the_last_prompt_tok
     seq = second.seqs[0]
     (load,) = plan.kv_connector_metadata.loads
     table = scheduler.block_manager.block_tables[seq.seq_id]
-    assert load == ("b", table[2:3], 2)            # the prefix hit's 2 blocks stay; tokens 8..9 are loaded
+    assert load == ("b", table[2:3], 2)  # the prefix hit's 2 blocks stay; tokens 8..9 are loaded
     assert plan.scheduled == [(seq, 1)] and seq.num_computed_tokens == 10  # the last prompt token is computed
     assert scheduler.prefix_hit_tokens == 8
     consumer.start_load_kv(kv_cache, plan.kv_connector_metadata)
     assert torch.equal(kv_cache.storage[:, :, table[2]], received[:, :, 2]) and consumer.received == {}
     scheduler.update_from_output(plan, [(seq, [7])])
     assert seq.output_token_ids == [7]
-    child = scheduler.fork(seq)                    # as beam search does, between two steps
+    child = scheduler.fork(seq)  # as beam search does, between two steps
     assert child.token_ids == seq.token_ids and child.num_computed_tokens == 11
     scheduler.abort([seq, child])
     assert scheduler.block_manager.num_free_blocks == 16
@@ -268,14 +295,17 @@ def test_random_hand_overs_leak_no_block(data):
             request = saved.request
             consumer.receive(request.request_id, saved.kv)
             loaded[request.request_id] = saved.kv
-            c_sched.add_request(new_request(request.request_id, request.prompt_token_ids,
-                                            originals[request.request_id]))
+            c_sched.add_request(
+                new_request(request.request_id, request.prompt_token_ids, originals[request.request_id])
+            )
 
     def consumer_step():
         plan = c_sched.schedule()
         c_sched.kv_connector.start_load_kv(c_cache, plan.kv_connector_metadata)
         for request_id, block_ids, first in plan.kv_connector_metadata.loads:
-            assert torch.equal(c_cache.storage[:, :, block_ids], loaded[request_id][:, :, first:first + len(block_ids)])
+            assert torch.equal(
+                c_cache.storage[:, :, block_ids], loaded[request_id][:, :, first : first + len(block_ids)]
+            )
         due = [seq for seq, n in plan.batch if seq.num_computed_tokens + n == seq.num_tokens]
         c_sched.update_from_output(plan, [(seq, [data.draw(st.sampled_from([7, 8, EOS]))]) for seq in due])
 
@@ -301,8 +331,9 @@ def test_random_hand_overs_leak_no_block(data):
                 side.abort([data.draw(st.sampled_from(live))])
         for scheduler in (p_sched, c_sched):
             assert_ref_counts_exact(scheduler.block_manager)
-        assert {seq_id for seq_ids in p_sched.sending.values() for seq_id in seq_ids} <= \
-            set(p_sched.block_manager.block_tables)
+        assert {seq_id for seq_ids in p_sched.sending.values() for seq_id in seq_ids} <= set(
+            p_sched.block_manager.block_tables
+        )
     for _ in range(200):  # drain: save what is kept, run both sides to the end
         if not (p_sched.has_unfinished() or p_sched.sending or c_sched.has_unfinished()):
             break

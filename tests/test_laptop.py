@@ -25,8 +25,13 @@ HIDE_TRITON = "import sys; sys.modules['triton'] = None  # as on a machine where
 def run_without_triton(code: str) -> str:
     """Run code in a fresh interpreter that cannot import triton (and can import the tests' helpers); its stdout."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", HIDE_TRITON + textwrap.dedent(code)], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    result = subprocess.run(
+        [sys.executable, "-c", HIDE_TRITON + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -42,19 +42,29 @@ def test_lm_eval_scores_the_server_as_its_hf_backend_scores_the_weights(smollm2,
 
     (tmp_path / "paged_mc.yaml").write_text(TASK.format(data=TASK_DATA))
     tasks = TaskManager(include_path=str(tmp_path))
-    folder = model_cache_dir()   # the SmolLM2 checkpoint both sides read
-    reference = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32,device=cpu",
-                                        tasks=["paged_mc"], task_manager=tasks, log_samples=True, batch_size=4)
+    folder = model_cache_dir()  # the SmolLM2 checkpoint both sides read
+    reference = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={folder},dtype=float32,device=cpu",
+        tasks=["paged_mc"],
+        task_manager=tasks,
+        log_samples=True,
+        batch_size=4,
+    )
     llm = LLM(model=str(folder), num_blocks=256, device="cpu")
     with serve_in_thread(build_app(llm, "smollm2")) as url:
         served = lm_eval.simple_evaluate(
-            model="local-completions", tasks=["paged_mc"], task_manager=tasks, log_samples=True,
+            model="local-completions",
+            tasks=["paged_mc"],
+            task_manager=tasks,
+            log_samples=True,
             model_args=f"model=smollm2,base_url={url}/v1/completions,tokenizer={folder},tokenized_requests=True,"
-                       f"max_retries=1")
+            f"max_retries=1",
+        )
     expected, got = loglikelihoods(reference), loglikelihoods(served)
     assert len(got) == len(expected) == 8 and [len(c) for c in got] == [len(c) for c in expected]
     for doc, (choices, reference_choices) in enumerate(zip(got, expected)):
         assert choices == pytest.approx(reference_choices, abs=1e-3), f"document {doc}"
     accuracy = served["results"]["paged_mc"]["acc,none"]
     assert accuracy == reference["results"]["paged_mc"]["acc,none"]
-    assert accuracy >= 0.5   # chance over these choices is 0.31
+    assert accuracy >= 0.5  # chance over these choices is 0.31

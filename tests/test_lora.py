@@ -34,7 +34,7 @@ def hf_greedy(model, prompt, max_tokens=GREEDY.max_tokens) -> list[int]:
     with torch.no_grad():
         for _ in range(max_tokens):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -45,10 +45,17 @@ def tokens(outputs) -> list[list[int]]:
 def adapters(tmp_path_factory):
     """Three adapters of different shapes: (LoRARequest, PEFT model) each."""
     root = tmp_path_factory.mktemp("adapters")
-    specs = [dict(r=4, targets=("q_proj", "v_proj")),
-             dict(r=16, targets=TARGET_MODULES, use_rslora=True),
-             dict(r=8, targets=("k_proj", "o_proj", "up_proj", "down_proj"), lora_alpha=4,
-                  rank_pattern={"down_proj": 2}, alpha_pattern={"k_proj": 32})]
+    specs = [
+        dict(r=4, targets=("q_proj", "v_proj")),
+        dict(r=16, targets=TARGET_MODULES, use_rslora=True),
+        dict(
+            r=8,
+            targets=("k_proj", "o_proj", "up_proj", "down_proj"),
+            lora_alpha=4,
+            rank_pattern={"down_proj": 2},
+            alpha_pattern={"k_proj": 32},
+        ),
+    ]
     made = []
     for i, spec in enumerate(specs, start=1):
         path, peft_model = make_adapter(root / f"adapter{i}", seed=i, **spec)
@@ -67,8 +74,8 @@ def test_greedy_tokens_equal_peft_unmerged_and_merged(adapters):
     for request, peft_model in adapters:
         ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
         assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
-        assert ours != [hf_greedy(base, p) for p in PROMPTS]   # the adapter does change the answers
-    for request, peft_model in adapters:                       # merged: W + s B A in the weights
+        assert ours != [hf_greedy(base, p) for p in PROMPTS]  # the adapter does change the answers
+    for request, peft_model in adapters:  # merged: W + s B A in the weights
         merged = get_peft_model(tiny_llama(), peft_model.peft_config["default"])
         merged.load_state_dict(peft_model.state_dict())
         merged = merged.merge_and_unload().eval()
@@ -100,8 +107,9 @@ def test_adapters_through_preemption_and_speculation(adapters, setting):
     requests = [request for request, _ in adapters] + [None]
     prompts = [PROMPTS[i % 4] for i in range(8)]
     loras = [requests[i % 4] for i in range(8)]
-    alone = [tokens(lora_llm().generate([p], GREEDY, lora_request=lr, use_tqdm=False))[0]
-             for p, lr in zip(prompts, loras)]
+    alone = [
+        tokens(lora_llm().generate([p], GREEDY, lora_request=lr, use_tqdm=False))[0] for p, lr in zip(prompts, loras)
+    ]
     if setting == "preemption":
         llm = lora_llm(num_blocks=14)
     elif setting == "swap":
@@ -124,8 +132,14 @@ def test_random_adapters_match_peft(tmp_path, seed):
     rng = random.Random(seed)
     targets = rng.sample(TARGET_MODULES, rng.randint(1, len(TARGET_MODULES)))
     r = rng.randint(1, 16)
-    path, peft_model = make_adapter(tmp_path / "a", seed=100 + seed, r=r, targets=targets,
-                                    lora_alpha=rng.choice([1, r, 2 * r, 32]), use_rslora=rng.random() < 0.3)
+    path, peft_model = make_adapter(
+        tmp_path / "a",
+        seed=100 + seed,
+        r=r,
+        targets=targets,
+        lora_alpha=rng.choice([1, r, 2 * r, 32]),
+        use_rslora=rng.random() < 0.3,
+    )
     llm = lora_llm(max_loras=1)
     request = LoRARequest("random", 7, path)
     ours = tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False))
@@ -135,11 +149,14 @@ def test_random_adapters_match_peft(tmp_path, seed):
 def test_regex_targets_and_some_layers_match_peft(tmp_path):
     """target_modules as PEFT's regex string, and layers_to_transform: the weights in the file say where."""
     regex, regex_model = make_adapter(tmp_path / "regex", seed=5, r=6, targets=r".*layers\.1\..*(gate_proj|v_proj)")
-    layer0, layer0_model = make_adapter(tmp_path / "layer0", seed=6, r=3, targets=("o_proj", "up_proj"),
-                                        layers_to_transform=[0])
+    layer0, layer0_model = make_adapter(
+        tmp_path / "layer0", seed=6, r=3, targets=("o_proj", "up_proj"), layers_to_transform=[0]
+    )
     llm = lora_llm()
-    cases = [(LoRARequest("regex", 3, regex), regex_model, {(1, "gate_proj"), (1, "v_proj")}),
-             (LoRARequest("layer0", 4, layer0), layer0_model, {(0, "o_proj"), (0, "up_proj")})]
+    cases = [
+        (LoRARequest("regex", 3, regex), regex_model, {(1, "gate_proj"), (1, "v_proj")}),
+        (LoRARequest("layer0", 4, layer0), layer0_model, {(0, "o_proj"), (0, "up_proj")}),
+    ]
     for request, peft_model, modules in cases:
         ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=request, use_tqdm=False))
         assert ours == [hf_greedy(peft_model, p) for p in PROMPTS]
@@ -153,20 +170,22 @@ def test_layers_without_weights_are_skipped(tmp_path):
     early, early_model = make_adapter(tmp_path / "early", seed=9, r=2, targets=("o_proj",), layers_to_transform=[0])
     llm = lora_llm()
     manager = llm.engine.lora
-    where = {id(a): (layer, fused) for layer, per_layer in enumerate(manager.slots.lora_a)
-             for fused, a in per_layer.items()}
+    where = {
+        id(a): (layer, fused) for layer, per_layer in enumerate(manager.slots.lora_a) for fused, a in per_layer.items()
+    }
     calls, shrink = [], manager.shrink
 
     def counting_shrink(x, lora_a, segments):
         calls.append(where[id(lora_a)])
         return shrink(x, lora_a, segments)
+
     manager.shrink = counting_shrink
 
     late_request, early_request = LoRARequest("late", 1, late), LoRARequest("early", 2, early)
     ours = tokens(llm.generate(PROMPTS, GREEDY, lora_request=late_request, use_tqdm=False))
     assert ours == [hf_greedy(late_model, p) for p in PROMPTS]
     assert set(calls) == {(1, "qkv"), (1, "o"), (1, "gate_up"), (1, "down")}
-    assert len(calls) == 4 * manager.num_steps                 # one shrink per projection of layer 1, each step
+    assert len(calls) == 4 * manager.num_steps  # one shrink per projection of layer 1, each step
 
     calls.clear()
     requests = [late_request, early_request, None, early_request]
@@ -179,7 +198,7 @@ def test_layers_without_weights_are_skipped(tmp_path):
 def test_prefix_cache_is_keyed_by_adapter(adapters):
     """One prompt under one adapter twice shares its full blocks; under two adapters, or adapter and base, never."""
     (first, _), (second, _) = adapters[0], adapters[1]
-    prompt = list(range(40, 75))                  # 35 tokens: 4 full blocks of 8
+    prompt = list(range(40, 75))  # 35 tokens: 4 full blocks of 8
     llm = lora_llm(enable_prefix_caching=True)
     plain = lora_llm()
 
@@ -190,9 +209,9 @@ def test_prefix_cache_is_keyed_by_adapter(adapters):
         return llm.kv_stats()["prefix_hit_tokens"] - before
 
     assert hits(first) == 0
-    assert hits(first) == 32                      # the same adapter: every full block of the prompt is shared
-    assert hits(second) == 0                      # another adapter: nothing, though the tokens are the same
-    assert hits(None) == 0                        # nor the base model
+    assert hits(first) == 32  # the same adapter: every full block of the prompt is shared
+    assert hits(second) == 0  # another adapter: nothing, though the tokens are the same
+    assert hits(None) == 0  # nor the base model
     assert hits(second) == 32 and hits(None) == 32
     assert_pool_empty(llm)
 
@@ -201,11 +220,11 @@ def test_the_prefix_cache_key_is_the_adapters_name_and_path_not_its_id(adapters)
     """As in vLLM (`_gen_lora_extra_hash_keys`): two engines that number one adapter differently name its blocks
     alike, and one name pointed at another folder names them otherwise."""
     (first, _), (second, _) = adapters[0], adapters[1]
-    prompt = list(range(40, 75))                  # 35 tokens: 4 full blocks of 8
+    prompt = list(range(40, 75))  # 35 tokens: 4 full blocks of 8
 
     def cached_hashes(*requests):
         llm = lora_llm(enable_prefix_caching=True)
-        for request in requests:                  # registered in this order: the ids each engine has seen
+        for request in requests:  # registered in this order: the ids each engine has seen
             llm.generate([prompt], GREEDY, lora_request=request, use_tqdm=False)
         return set(llm.engine.block_manager.cached)
 
@@ -220,18 +239,20 @@ def test_slot_eviction_and_reload_keep_outputs(adapters):
     """Three adapters through one slot: the scheduler runs one adapter at a time (plus base requests), slots are
     evicted and reloaded, and every request still gets its own tokens."""
     requests = [request for request, _ in adapters]
-    alone = {r.lora_int_id: tokens(lora_llm().generate(PROMPTS, GREEDY, lora_request=r, use_tqdm=False))
-             for r in requests}
+    alone = {
+        r.lora_int_id: tokens(lora_llm().generate(PROMPTS, GREEDY, lora_request=r, use_tqdm=False)) for r in requests
+    }
     llm = lora_llm(max_loras=1)
     distinct = []
-    llm.engine.forward_observers.append(lambda plan: distinct.append(
-        {seq.request.lora_int_id for seq, _ in plan.scheduled} - {0}))
+    llm.engine.forward_observers.append(
+        lambda plan: distinct.append({seq.request.lora_int_id for seq, _ in plan.scheduled} - {0})
+    )
     order = [requests[i % 3] for i in range(9)] + [None]
     outs = tokens(llm.generate([PROMPTS[i % 4] for i in range(10)], GREEDY, lora_request=order, use_tqdm=False))
     for i, (out, request) in enumerate(zip(outs, order)):
         if request is not None:
             assert out == alone[request.lora_int_id][i % 4]
-    assert max(len(d) for d in distinct) == 1                   # never more adapters in a step than slots
+    assert max(len(d) for d in distinct) == 1  # never more adapters in a step than slots
     stats = llm.lora_stats()
     assert stats["num_evictions"] >= 2 and stats["num_loads"] == stats["num_evictions"] + 1
     # and once more through the same engine, reloading what was evicted
@@ -242,8 +263,9 @@ def test_slot_eviction_and_reload_keep_outputs(adapters):
 def test_the_scheduler_admits_at_most_max_loras_adapters(adapters):
     llm = lora_llm(max_loras=2)
     running = []
-    llm.engine.forward_observers.append(lambda plan: running.append(
-        {seq.request.lora_int_id for seq in llm.engine.scheduler.running} - {0}))
+    llm.engine.forward_observers.append(
+        lambda plan: running.append({seq.request.lora_int_id for seq in llm.engine.scheduler.running} - {0})
+    )
     requests = [request for request, _ in adapters]
     llm.generate(PROMPTS * 3, GREEDY, lora_request=[requests[i % 3] for i in range(12)], use_tqdm=False)
     assert max(len(r) for r in running) == 2
@@ -263,6 +285,7 @@ def test_the_triton_kernel_serves_the_same_tokens(adapters):
 
 # ---- bad input: a ValueError naming it; the engine stays usable and nothing is half-loaded -------------------
 
+
 def broken_copy(tmp_path, source, name, change_config=None, config_text=None):
     """A copy of the adapter folder source with its config changed."""
     folder = tmp_path / name
@@ -272,8 +295,9 @@ def broken_copy(tmp_path, source, name, change_config=None, config_text=None):
     if change_config:
         change_config(config)
     (folder / "adapter_config.json").write_text(config_text if config_text is not None else json.dumps(config))
-    (folder / "adapter_model.safetensors").write_bytes(open(os.path.join(source, "adapter_model.safetensors"),
-                                                            "rb").read())
+    (folder / "adapter_model.safetensors").write_bytes(
+        open(os.path.join(source, "adapter_model.safetensors"), "rb").read()
+    )
     return str(folder)
 
 
@@ -306,8 +330,10 @@ def test_bad_adapters_raise_and_leave_the_engine_usable(adapters, tmp_path):
 
     bad = [
         (LoRARequest("missing", 5, str(tmp_path / "nowhere")), "lora_path"),
-        (LoRARequest("json", 5, broken_copy(tmp_path, good.lora_path, "json", config_text="{not json")),
-         "adapter_config.json .* malformed"),
+        (
+            LoRARequest("json", 5, broken_copy(tmp_path, good.lora_path, "json", config_text="{not json")),
+            "adapter_config.json .* malformed",
+        ),
         (LoRARequest("no_r", 5, broken_copy(tmp_path, good.lora_path, "no_r", drop("r"))), "r must be"),
         (LoRARequest("big", 5, big.lora_path), "max_lora_rank"),
         (LoRARequest("zero", 0, good.lora_path), "lora_int_id"),
@@ -321,8 +347,7 @@ def test_bad_adapters_raise_and_leave_the_engine_usable(adapters, tmp_path):
     # a batch with one good new adapter and one bad one is refused whole: the good one is not registered either
     new_good = LoRARequest("fresh", 9, adapters[2][0].lora_path)
     with pytest.raises(ValueError, match="max_lora_rank"):
-        llm.generate(PROMPTS[:2], GREEDY, lora_request=[new_good, LoRARequest("big", 5, big.lora_path)],
-                     use_tqdm=False)
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[new_good, LoRARequest("big", 5, big.lora_path)], use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(PROMPTS[:2], GREEDY, lora_request=[good], use_tqdm=False)
     assert llm.lora_stats() == before
@@ -340,25 +365,31 @@ def test_a_lora_request_needs_enable_lora(adapters):
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == [hf_greedy(tiny_llama(), p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("kwargs,message", [(dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
-                                            (dict(max_loras=1.5), "max_loras")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [(dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"), (dict(max_loras=1.5), "max_loras")],
+)
 def test_bad_lora_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_loras=MAX_LORAS + 1), f"max_loras must be <= {MAX_LORAS}"),
-    (dict(max_loras=10**6), f"max_loras must be <= {MAX_LORAS}"),
-    (dict(max_lora_rank=MAX_LORA_RANK + 1), f"max_lora_rank must be <= {MAX_LORA_RANK}"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_loras=MAX_LORAS + 1), f"max_loras must be <= {MAX_LORAS}"),
+        (dict(max_loras=10**6), f"max_loras must be <= {MAX_LORAS}"),
+        (dict(max_lora_rank=MAX_LORA_RANK + 1), f"max_lora_rank must be <= {MAX_LORA_RANK}"),
+    ],
+)
 def test_lora_slots_are_bounded_before_anything_is_allocated(kwargs, message, adapters):
     with pytest.raises(ValueError, match=message):
         make_tiny_llm(tiny_llama(), enable_lora=True, **kwargs)
     request, peft_model = adapters[0]
-    llm = lora_llm()   # a good one still works
-    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == \
-        [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+    llm = lora_llm()  # a good one still works
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == [
+        hf_greedy(peft_model, p) for p in PROMPTS[:2]
+    ]
 
 
 def test_lora_slots_must_fit_the_memory_available(monkeypatch):
@@ -368,16 +399,19 @@ def test_lora_slots_must_fit_the_memory_available(monkeypatch):
     monkeypatch.setattr(lora_module, "available_memory", lambda device=None: LoRASlots.nbytes_for(model, 4, 16) - 1)
     with pytest.raises(ValueError, match=r"max_loras \(4\) slots of max_lora_rank \(16\) take .* GiB on cpu"):
         make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=4, max_lora_rank=16)
-    make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=3, max_lora_rank=16)   # 3 slots fit
+    make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=3, max_lora_rank=16)  # 3 slots fit
 
 
-@pytest.mark.parametrize("make_id", [np.int64, np.int32, np.uint8, torch.tensor,
-                                     lambda i: torch.tensor(i, dtype=torch.int32)],
-                         ids=["np.int64", "np.int32", "np.uint8", "torch.int64", "torch.int32"])
+@pytest.mark.parametrize(
+    "make_id",
+    [np.int64, np.int32, np.uint8, torch.tensor, lambda i: torch.tensor(i, dtype=torch.int32)],
+    ids=["np.int64", "np.int32", "np.uint8", "torch.int64", "torch.int32"],
+)
 def test_an_adapter_id_of_numpy_or_torch_is_the_int_it_stands_for(adapters, make_id):
     llm = lora_llm()
-    requests = [LoRARequest(request.lora_name, make_id(request.lora_int_id), request.lora_path)
-                for request, _ in adapters]
+    requests = [
+        LoRARequest(request.lora_name, make_id(request.lora_int_id), request.lora_path) for request, _ in adapters
+    ]
     assert [type(r.lora_int_id) for r in requests] == [int] * 3 and requests[0] == adapters[0][0]
     outs = llm.generate(PROMPTS[:3], GREEDY, lora_request=requests, use_tqdm=False)
     assert tokens(outs) == [hf_greedy(peft_model, p) for (_, peft_model), p in zip(adapters, PROMPTS)]
@@ -392,13 +426,16 @@ def test_an_adapter_id_that_is_no_integer_is_refused_before_anything_is_queued(a
     with pytest.raises(ValueError, match="lora_int_id must be an integer"):
         llm.generate(PROMPTS[:2], GREEDY, lora_request=[request, bad], use_tqdm=False)
     assert llm.engine.requests == {} and llm.lora_stats()["registered"] == []
-    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == \
-        [hf_greedy(peft_model, p) for p in PROMPTS[:2]]
+    assert tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=request, use_tqdm=False)) == [
+        hf_greedy(peft_model, p) for p in PROMPTS[:2]
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3), min_size=1, max_size=25),
-       max_loras=st.integers(3, 4))
+@given(
+    steps=st.lists(st.lists(st.integers(1, 6), min_size=0, max_size=3), min_size=1, max_size=25),
+    max_loras=st.integers(3, 4),
+)
 def test_slots_hold_what_each_step_needs(tiny_slots_model, steps, max_loras):
     """Whatever the order adapters are needed in: each step's adapters are resident in distinct slots holding their
     own weights, a slot is filled only when its adapter was not resident, and a needed adapter is never evicted."""

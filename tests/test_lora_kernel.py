@@ -34,8 +34,9 @@ def random_segments(num_tokens, num_slots, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,in_features,rank,out_features", [(1, 64, 16, 48), (37, 96, 8, 130),
-                                                                     (90, 64, 48, 64)])
+@pytest.mark.parametrize(
+    "num_tokens,in_features,rank,out_features", [(1, 64, 16, 48), (37, 96, 8, 130), (90, 64, 48, 64)]
+)
 def test_shrink_then_expand_match_the_reference(dtype, num_tokens, in_features, rank, out_features):
     gen = torch.Generator().manual_seed(num_tokens)
     num_slots = 3
@@ -52,21 +53,23 @@ def test_shrink_then_expand_match_the_reference(dtype, num_tokens, in_features, 
     # expand into a column slice of a wider, fused output: the columns around it must stay as they were
     base = torch.randn(num_tokens, out_features + 20, generator=gen).to(DEVICE, dtype)
     out_ref, out = base.clone(), base.clone()
-    ref.sgmv_expand(y_ref, lora_b, out_ref[:, 7:7 + out_features], segments)
-    triton_lora.sgmv_expand(y_ref, lora_b, out[:, 7:7 + out_features], segments)
+    ref.sgmv_expand(y_ref, lora_b, out_ref[:, 7 : 7 + out_features], segments)
+    triton_lora.sgmv_expand(y_ref, lora_b, out[:, 7 : 7 + out_features], segments)
     torch.testing.assert_close(out.float(), out_ref.float(), atol=tol * 4, rtol=tol)
     untouched = torch.ones(num_tokens, dtype=torch.bool, device=DEVICE)
     untouched[rows] = False
-    assert torch.equal(out[untouched], base[untouched])          # tokens outside every segment: no update
-    assert torch.equal(out[:, :7], base[:, :7]) and torch.equal(out[:, 7 + out_features:], base[:, 7 + out_features:])
+    assert torch.equal(out[untouched], base[untouched])  # tokens outside every segment: no update
+    assert torch.equal(out[:, :7], base[:, :7]) and torch.equal(out[:, 7 + out_features :], base[:, 7 + out_features :])
 
 
 def test_the_reference_is_x_a_b_per_token():
     """The reference itself against the definition: token t under slot s gets x_t A_s^T B_s^T, others nothing."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(10, 12, generator=gen, dtype=torch.float64)
-    lora_a, lora_b = torch.randn(2, 3, 12, generator=gen, dtype=torch.float64), \
-        torch.randn(2, 5, 3, generator=gen, dtype=torch.float64)
+    lora_a, lora_b = (
+        torch.randn(2, 3, 12, generator=gen, dtype=torch.float64),
+        torch.randn(2, 5, 3, generator=gen, dtype=torch.float64),
+    )
     segments = ref.Segments.build([(0, 4, 1), (6, 9, 0)], "cpu")
     out = torch.zeros(10, 5, dtype=torch.float64)
     ref.sgmv_expand(ref.sgmv_shrink(x, lora_a, segments), lora_b, out, segments)

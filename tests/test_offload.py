@@ -43,16 +43,22 @@ def assert_tiers_empty(llm):
 
 @pytest.fixture(scope="module")
 def long_prompts():
-    return random_prompts(4, seed=13, low=30, high=31)   # 30 tokens + 30 new: up to 8 blocks of 8 each
+    return random_prompts(4, seed=13, low=30, high=31)  # 30 tokens + 30 new: up to 8 blocks of 8 each
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation, EOS ignored: the oracle."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +68,7 @@ def long_expected(tiny_model, long_prompts):
 
 # ---- stable block hashes --------------------------------------------------------------------------------------------
 
+
 def test_a_block_hash_is_sha256_of_a_canonical_encoding_and_chains():
     first = hash_block_tokens(None, [1, 2, 3], None)
     assert isinstance(first, bytes) and len(first) == 32
@@ -69,18 +76,26 @@ def test_a_block_hash_is_sha256_of_a_canonical_encoding_and_chains():
     assert first != hash_block_tokens(None, [1, 2, 4]) != hash_block_tokens(first, [1, 2, 3])
     keys = [None, 0, 7, "pirate", ("pirate", 3), ((1, "a"), None)]
     digests = {hash_block_tokens(first, [4, 5], key) for key in keys}
-    assert len(digests) == len(keys)                 # every extra key names a different block
+    assert len(digests) == len(keys)  # every extra key names a different block
     assert hash_block_tokens(None, [1], 1) != hash_block_tokens(None, [1], "1")
 
 
 def test_block_hashes_are_the_same_in_another_process():
     """Python's hash() of a str differs between processes (PYTHONHASHSEED); the digest must not."""
-    code = ("from paged.core.block_manager import hash_block_tokens as h; "
-            "print(h(h(None, [5, 6], ('pirate', 2)), [7, 8], 'x').hex())")
+    code = (
+        "from paged.core.block_manager import hash_block_tokens as h; "
+        "print(h(h(None, [5, 6], ('pirate', 2)), [7, 8], 'x').hex())"
+    )
     here = hash_block_tokens(hash_block_tokens(None, [5, 6], ("pirate", 2)), [7, 8], "x").hex()
     for seed in ("1", "2"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=".")
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            cwd=".",
+        )
         assert out.stdout.strip() == here
 
 
@@ -104,29 +119,34 @@ def test_the_block_manager_names_blocks_by_the_digest_chain():
 
 # ---- bad input -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"preemption_mode": "swap", "swap_space": -1}, "swap_space"),
-    ({"preemption_mode": "swap", "swap_space": "1"}, "swap_space"),
-    ({"preemption_mode": "swap", "swap_space": float("nan")}, "swap_space"),
-    ({"preemption_mode": "swap", "swap_space": None}, "swap_space"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": -0.5}, "kv_offloading_size"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": "big"}, "kv_offloading_size"),
-    ({"kv_offloading_size": 0.1}, "kv_offloading_size"),            # needs the prefix cache
-    ({"preemption_mode": "drop"}, "preemption_mode"),
-    ({"preemption_mode": None}, "preemption_mode"),
-    ({"preemption_mode": "swap", "kv_offload_dir": 3}, "kv_offload_dir"),
-    ({"preemption_mode": "swap", "kv_offload_dir": ""}, "kv_offload_dir"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": " "}, "kv_offload_dir"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size .* one KV block"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 0}, "kv_offloading_size .* one KV block"),
-    ({"preemption_mode": "swap", "swap_space": 1e6}, "swap_space .* available host memory"),
-    ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
-])
-def test_bad_offload_settings_raise_a_value_error_naming_the_argument(tiny_model, kwargs, name, long_prompts,
-                                                                      long_expected):
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"preemption_mode": "swap", "swap_space": -1}, "swap_space"),
+        ({"preemption_mode": "swap", "swap_space": "1"}, "swap_space"),
+        ({"preemption_mode": "swap", "swap_space": float("nan")}, "swap_space"),
+        ({"preemption_mode": "swap", "swap_space": None}, "swap_space"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": -0.5}, "kv_offloading_size"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": "big"}, "kv_offloading_size"),
+        ({"kv_offloading_size": 0.1}, "kv_offloading_size"),  # needs the prefix cache
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"preemption_mode": None}, "preemption_mode"),
+        ({"preemption_mode": "swap", "kv_offload_dir": 3}, "kv_offload_dir"),
+        ({"preemption_mode": "swap", "kv_offload_dir": ""}, "kv_offload_dir"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 0.01, "kv_offload_dir": " "}, "kv_offload_dir"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 1e-9}, "kv_offloading_size .* one KV block"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 0}, "kv_offloading_size .* one KV block"),
+        ({"preemption_mode": "swap", "swap_space": 1e6}, "swap_space .* available host memory"),
+        ({"enable_prefix_caching": True, "kv_offloading_size": 1e6}, "kv_offloading_size .* available host memory"),
+    ],
+)
+def test_bad_offload_settings_raise_a_value_error_naming_the_argument(
+    tiny_model, kwargs, name, long_prompts, long_expected
+):
     with pytest.raises(ValueError, match=name):
         make_tiny_llm(tiny_model, **kwargs)
-    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, **TIGHT)   # a good one still works
+    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, **TIGHT)  # a good one still works
     assert tokens(llm.generate(long_prompts[:2], LONG, use_tqdm=False)) == long_expected[:2]
 
 
@@ -145,10 +165,12 @@ def test_a_disk_tier_whose_file_cannot_be_written_is_refused(tiny_model, tmp_pat
 
 # ---- swap preemption -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("disk", [False, True])
 def test_swap_keeps_greedy_tokens_and_returns_every_block(tiny_model, long_prompts, long_expected, tmp_path, disk):
-    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01,
-                        kv_offload_dir=tmp_path if disk else None, **TIGHT)
+    llm = make_tiny_llm(
+        tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path if disk else None, **TIGHT
+    )
     assert tokens(llm.generate(long_prompts, LONG, use_tqdm=False)) == long_expected
     stats = llm.kv_stats()
     assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"]
@@ -206,8 +228,10 @@ def test_swap_works_with_forks_speculation_and_the_prefix_tier(tiny_model, case)
     settings_ = {"enable_chunked_prefill": True}
     params = greedy
     if case == "forks":
-        params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) if i % 2 else greedy
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) if i % 2 else greedy
+            for i in range(len(prompts))
+        ]
     elif case == "speculation":
         settings_["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 2}
     else:
@@ -232,8 +256,9 @@ class Interrupt(Exception):
 def test_an_interrupted_step_leaves_both_tiers_consistent(tiny_model, long_prompts, long_expected):
     """Steps fail before their copies are made, again and again; swapped-out sequences of a failed step are
     recomputed instead, and the engine still finishes every request with the same tokens."""
-    llm = make_tiny_llm(tiny_model, preemption_mode="swap", enable_prefix_caching=True, kv_offloading_size=0.001,
-                        **TIGHT)
+    llm = make_tiny_llm(
+        tiny_model, preemption_mode="swap", enable_prefix_caching=True, kv_offloading_size=0.001, **TIGHT
+    )
     engine, steps, moving = llm.engine, [0], [0]
 
     def fail_often(plan):  # every other step that moves blocks between tiers, and every seventh step
@@ -275,11 +300,14 @@ def test_a_failing_swap_copy_is_rolled_back_and_the_engine_stays_usable(tiny_mod
 
 # ---- tier files: each engine its own --------------------------------------------------------------------------------
 
+
 def run_side_by_side(llms, prompt_lists, params) -> list[list[list[int]]]:
     """Step the engines in turn, one step each, until all finish: their tiers' writes interleave."""
     engines = [llm.engine for llm in llms]
-    ids = [[engine.add_request(engine.make_request(p, params)) for p in prompts]
-           for engine, prompts in zip(engines, prompt_lists)]
+    ids = [
+        [engine.add_request(engine.make_request(p, params)) for p in prompts]
+        for engine, prompts in zip(engines, prompt_lists)
+    ]
     outputs = [{} for _ in engines]
     while any(engine.has_unfinished_requests() for engine in engines):
         for engine, done in zip(engines, outputs):
@@ -288,11 +316,12 @@ def run_side_by_side(llms, prompt_lists, params) -> list[list[list[int]]]:
     return [[done[i] for i in request_ids] for done, request_ids in zip(outputs, ids)]
 
 
-def test_two_engines_swapping_into_one_folder_keep_their_own_blocks(tiny_model, long_prompts, long_expected,
-                                                                    tmp_path):
+def test_two_engines_swapping_into_one_folder_keep_their_own_blocks(tiny_model, long_prompts, long_expected, tmp_path):
     others = random_prompts(4, seed=21, low=30, high=31)
-    llms = [make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path, **TIGHT)
-            for _ in range(2)]
+    llms = [
+        make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path, **TIGHT)
+        for _ in range(2)
+    ]
     got = run_side_by_side(llms, [long_prompts, others], LONG)
     assert got == [long_expected, [hf_greedy(tiny_model, p, LONG.max_tokens) for p in others]]
     assert all(llm.kv_stats()["swap_out_blocks"] > 0 for llm in llms)
@@ -305,15 +334,19 @@ def test_two_engines_sharing_a_prefix_tier_folder_get_their_own_hits(tiny_model,
     blocks of its own in the same folder: every hit must be the engine's own K/V."""
     systems = random_prompts(2, seed=22, low=40, high=41)
     fillers = random_prompts(3, seed=6, low=88, high=89)
-    llms = [make_tiny_llm(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
-                          kv_offload_dir=tmp_path) for _ in range(2)]
+    llms = [
+        make_tiny_llm(
+            tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01, kv_offload_dir=tmp_path
+        )
+        for _ in range(2)
+    ]
     got, expected = [[], []], [[], []]
     for round_, question in enumerate(random_prompts(3, seed=23, low=5, high=10)):
         for llm, system, out, want in zip(llms, systems, got, expected):
             prompt = system + question
             out += tokens(llm.generate([prompt], SHORT, use_tqdm=False))
             want.append(hf_greedy(tiny_model, prompt, SHORT.max_tokens))
-            llm.generate([fillers[round_]], SHORT, use_tqdm=False)   # the pool forgets the system prompt
+            llm.generate([fillers[round_]], SHORT, use_tqdm=False)  # the pool forgets the system prompt
     assert got == expected
     assert [llm.kv_stats()["offload_hit_tokens"] for llm in llms] == [2 * 40, 2 * 40]
     files = [llm.kv_offload_files()["prefix"] for llm in llms]
@@ -321,12 +354,20 @@ def test_two_engines_sharing_a_prefix_tier_folder_get_their_own_hits(tiny_model,
 
 
 def test_a_tier_file_lives_as_long_as_its_engine(tiny_model, tmp_path):
-    llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, enable_prefix_caching=True,
-                        kv_offloading_size=0.01, kv_offload_dir=tmp_path / "tiers")
+    llm = make_tiny_llm(
+        tiny_model,
+        preemption_mode="swap",
+        swap_space=0.01,
+        enable_prefix_caching=True,
+        kv_offloading_size=0.01,
+        kv_offload_dir=tmp_path / "tiers",
+    )
     files = llm.kv_offload_files()
     assert sorted(files) == ["prefix", "swap"]
-    assert all(Path(path).parent == tmp_path / "tiers" and Path(path).name.startswith(f"paged-{kind}-")
-               for kind, path in files.items())
+    assert all(
+        Path(path).parent == tmp_path / "tiers" and Path(path).name.startswith(f"paged-{kind}-")
+        for kind, path in files.items()
+    )
     del llm
     gc.collect()
     assert list((tmp_path / "tiers").iterdir()) == []
@@ -339,12 +380,14 @@ def test_a_file_a_live_tier_holds_is_refused_and_a_stale_one_is_deleted(tiny_mod
         KVTier(cache, 2, tmp_path / "swap.kv")
     tier.close()
     assert not (tmp_path / "swap.kv").exists()
-    KVTier(cache, 2, tmp_path / "swap.kv").close()    # free again
+    KVTier(cache, 2, tmp_path / "swap.kv").close()  # free again
     # A process killed with its tier open leaves an unlocked file behind; the next engine in the folder deletes it.
-    script = (f"import os, sys, torch; sys.path[:0] = {sys.path!r}\n"
-              f"from paged.engine.kv_cache import KVCache; from paged.offload import KVTier\n"
-              f"tier = KVTier(KVCache(1, 1, 4, 4, 8), 2, {str(tmp_path)!r}, kind='swap')\n"
-              f"print(tier.path, flush=True); os._exit(0)\n")
+    script = (
+        f"import os, sys, torch; sys.path[:0] = {sys.path!r}\n"
+        f"from paged.engine.kv_cache import KVCache; from paged.offload import KVTier\n"
+        f"tier = KVTier(KVCache(1, 1, 4, 4, 8), 2, {str(tmp_path)!r}, kind='swap')\n"
+        f"print(tier.path, flush=True); os._exit(0)\n"
+    )
     stale = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
     assert Path(stale).exists()
     llm = make_tiny_llm(tiny_model, preemption_mode="swap", swap_space=0.01, kv_offload_dir=tmp_path)
@@ -353,22 +396,28 @@ def test_a_file_a_live_tier_holds_is_refused_and_a_stale_one_is_deleted(tiny_mod
 
 # ---- the prefix cache's tier -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("disk", [False, True])
 def test_the_tier_serves_evicted_prefixes_with_greedy_tokens_unchanged(tiny_model, tmp_path, disk):
     system = random_prompts(1, seed=3, low=40, high=41)[0]
     prompts = [system + p for p in random_prompts(4, seed=5, low=5, high=10)]
-    fillers = random_prompts(4, seed=6, low=88, high=89)   # with 5 new tokens, all 12 blocks: the pool forgets
+    fillers = random_prompts(4, seed=6, low=88, high=89)  # with 5 new tokens, all 12 blocks: the pool forgets
     expected = [hf_greedy(tiny_model, prompt, SHORT.max_tokens) for prompt in prompts]
-    llm = make_tiny_llm(tiny_model, num_blocks=12, enable_prefix_caching=True, kv_offloading_size=0.01,
-                        kv_offload_dir=tmp_path if disk else None)
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=12,
+        enable_prefix_caching=True,
+        kv_offloading_size=0.01,
+        kv_offload_dir=tmp_path if disk else None,
+    )
     got = []
     for prompt, filler in zip(prompts, fillers):
         got += tokens(llm.generate([prompt], SHORT, use_tqdm=False))
         llm.generate([filler], SHORT, use_tqdm=False)
     assert got == expected
     stats = llm.kv_stats()
-    assert stats["prefix_hit_tokens"] == 0                       # the pool never kept the system prompt
-    assert stats["offload_hit_tokens"] == 3 * 40                 # 5 blocks of 8, for each later prompt
+    assert stats["prefix_hit_tokens"] == 0  # the pool never kept the system prompt
+    assert stats["offload_hit_tokens"] == 3 * 40  # 5 blocks of 8, for each later prompt
     assert stats["offload_stored_blocks"] > 0
     assert_pool_empty(llm)
 
@@ -380,12 +429,12 @@ def test_tier_blocks_come_back_bit_exact_and_the_tier_evicts_least_recently_used
     torch.manual_seed(0)
     cache.storage.normal_()
     original = cache.storage.clone()
-    prompts = {name: [i, i, i, i, 0] for i, name in enumerate("abc", start=1)}   # 2 full blocks to cache each
+    prompts = {name: [i, i, i, i, 0] for i, name in enumerate("abc", start=1)}  # 2 full blocks to cache each
     for seq_id, prompt in enumerate(prompts.values()):
-        manager.allocate(seq_id, 3)                        # only the first block is cached: 2 full tokens
+        manager.allocate(seq_id, 3)  # only the first block is cached: 2 full tokens
         tier.store(manager.cache_full_blocks(seq_id, prompt, 2))
     assert tier.stored_blocks == 3 and len(tier.entries) == 2
-    assert tier.find(prompts["a"], None, skip=0) == []     # 'a' was the least recently used: evicted
+    assert tier.find(prompts["a"], None, skip=0) == []  # 'a' was the least recently used: evicted
     hits = tier.find(prompts["b"], None, skip=0)
     assert len(hits) == 1
     b_block = manager.block_tables[1][0]
@@ -404,6 +453,7 @@ def test_tier_blocks_come_back_bit_exact_and_the_tier_evicts_least_recently_used
 
 # ---- the state machine over the pool and both tiers ------------------------------------------------------------------
 
+
 def stamp(prefix: tuple[int, ...]) -> float:
     """What the K of the last token of `prefix` is, in this model of a forward pass: a function of the whole prefix
     (as real K/V are), exact in float64. V holds its negative."""
@@ -419,12 +469,18 @@ class PoolAndTiers(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = KVCache(num_layers=1, num_kv_heads=1, head_dim=1, num_blocks=self.NUM_BLOCKS,
-                             block_size=self.BLOCK_SIZE, dtype=torch.float64)
+        self.cache = KVCache(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            num_blocks=self.NUM_BLOCKS,
+            block_size=self.BLOCK_SIZE,
+            dtype=torch.float64,
+        )
         self.manager = BlockManager(self.NUM_BLOCKS, self.BLOCK_SIZE, enable_prefix_caching=True)
         self.swap = SwapSpace(self.manager, KVTier(self.cache, num_slots=6))
         self.prefix = PrefixTier(self.manager, KVTier(self.cache, num_slots=4))
-        self.running: dict[int, list[int]] = {}   # seq_id -> token ids, all computed
+        self.running: dict[int, list[int]] = {}  # seq_id -> token ids, all computed
         self.swapped: dict[int, list[int]] = {}
         self.next_id = 0
         self.prefix_of: dict[bytes, tuple[int, ...]] = {}
@@ -434,28 +490,29 @@ class PoolAndTiers(RuleBasedStateMachine):
     # -- the forward pass, modelled
     def compute(self, seq_id: int, token_ids: list[int], start: int) -> None:
         slots = self.manager.slot_mapping(seq_id, start, len(token_ids))
-        flat = self.cache.storage.view(2, -1)                       # [K/V, num_blocks * block_size]
+        flat = self.cache.storage.view(2, -1)  # [K/V, num_blocks * block_size]
         for t, slot in zip(range(start, len(token_ids)), slots):
-            flat[0, slot] = stamp(tuple(token_ids[:t + 1]))
-            flat[1, slot] = -stamp(tuple(token_ids[:t + 1]))
+            flat[0, slot] = stamp(tuple(token_ids[: t + 1]))
+            flat[1, slot] = -stamp(tuple(token_ids[: t + 1]))
         self.cache_and_store(seq_id, token_ids)
 
     def cache_and_store(self, seq_id: int, token_ids: list[int]) -> None:
         self.prefix.store(self.manager.cache_full_blocks(seq_id, token_ids, len(token_ids)))
         for index, block_hash in enumerate(self.manager.block_hashes.get(seq_id, [])):
-            self.prefix_of[block_hash] = tuple(token_ids[:(index + 1) * self.BLOCK_SIZE])
+            self.prefix_of[block_hash] = tuple(token_ids[: (index + 1) * self.BLOCK_SIZE])
 
     def block_holds(self, storage: torch.Tensor, block_hash: bytes) -> bool:
         """storage [2, 1, block_size, 1, 1]: a pool block or a tier slot, against the stamps of its prefix."""
         prefix = self.prefix_of[block_hash]
-        expected = torch.tensor([stamp(prefix[:t + 1]) for t in range(len(prefix) - self.BLOCK_SIZE, len(prefix))],
-                                dtype=torch.float64)
+        expected = torch.tensor(
+            [stamp(prefix[: t + 1]) for t in range(len(prefix) - self.BLOCK_SIZE, len(prefix))], dtype=torch.float64
+        )
         return torch.equal(storage[0].flatten(), expected) and torch.equal(storage[1].flatten(), -expected)
 
     def assert_holds(self, seq_id: int, token_ids: list[int]) -> None:
         slots = self.manager.slot_mapping(seq_id, 0, len(token_ids))
         flat = self.cache.storage.view(2, -1)
-        expected = torch.tensor([stamp(tuple(token_ids[:t + 1])) for t in range(len(token_ids))], dtype=torch.float64)
+        expected = torch.tensor([stamp(tuple(token_ids[: t + 1])) for t in range(len(token_ids))], dtype=torch.float64)
         assert torch.equal(flat[0, slots], expected) and torch.equal(flat[1, slots], -expected)
 
     def new_id(self) -> int:
@@ -498,7 +555,7 @@ class PoolAndTiers(RuleBasedStateMachine):
         if self.manager.can_allocate(len(token_ids), seq_id, write_from=start) is not AllocStatus.OK:
             return
         self.manager.allocate(seq_id, len(token_ids), write_from=start)
-        copies = self.manager.take_pending_copies()                 # copy-on-write of a shared last block
+        copies = self.manager.take_pending_copies()  # copy-on-write of a shared last block
         if copies:
             self.cache.copy_blocks(*map(list, zip(*copies)))
         self.compute(seq_id, token_ids, start)
@@ -533,7 +590,7 @@ class PoolAndTiers(RuleBasedStateMachine):
         if self.manager.can_allocate(len(token_ids)) is not AllocStatus.OK:
             return
         self.swap.tier.load(self.swap.swap_in(seq_id, len(token_ids)))
-        self.assert_holds(seq_id, token_ids)                         # bit for bit what went out
+        self.assert_holds(seq_id, token_ids)  # bit for bit what went out
         self.cache_and_store(seq_id, token_ids)
         self.running[seq_id] = self.swapped.pop(seq_id)
 
@@ -596,8 +653,9 @@ class PoolAndTiers(RuleBasedStateMachine):
 
 
 TestPoolAndTiers = PoolAndTiers.TestCase
-TestPoolAndTiers.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestPoolAndTiers.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def test_the_state_machine_reaches_tier_hits_and_swaps():

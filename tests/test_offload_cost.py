@@ -29,8 +29,10 @@ def counted_flops(model, token_ids: list[int], num_cached: int) -> dict[str, flo
         with FlopCounterMode(display=False) as counter:
             model.model(torch.tensor([token_ids[num_cached:]]), past_key_values=cache, use_cache=True)
     ops = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
-    return {"weights": sum(f for op, f in ops.items() if op.startswith(("aten.mm", "aten.addmm"))),
-            "attention": sum(f for op, f in ops.items() if op.startswith("aten.bmm"))}
+    return {
+        "weights": sum(f for op, f in ops.items() if op.startswith(("aten.mm", "aten.addmm"))),
+        "attention": sum(f for op, f in ops.items() if op.startswith("aten.bmm")),
+    }
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # newer releases call it cache
@@ -56,8 +58,11 @@ def test_the_crossover_is_where_the_two_costs_meet():
     lengths = range(1, 40_000)
     for mfu in (0.25, 0.5, 1.0):
         at = gpu_crossover_tokens(geometry, 106e6, mfu=mfu)
-        first = crossover_tokens(lambda n: gpu_swap_seconds(geometry, n),
-                                 lambda n: gpu_recompute_seconds(geometry, 106e6, n, mfu=mfu), lengths)
+        first = crossover_tokens(
+            lambda n: gpu_swap_seconds(geometry, n),
+            lambda n: gpu_recompute_seconds(geometry, 106e6, n, mfu=mfu),
+            lengths,
+        )
         assert first == (int(at) + 1 if at else 1)
     # a recompute that finds half its tokens cached costs less than a full one, more than none
     full, half = (gpu_recompute_seconds(geometry, 106e6, 4096, cached_share=s) for s in (0.0, 0.5))
@@ -72,9 +77,16 @@ def test_a_cached_share_out_of_range_is_refused():
 
 
 def test_llama3_70b_layer_weights_are_those_of_its_config():
-    config = LlamaConfig(vocab_size=128_256, hidden_size=8192, intermediate_size=28_672, num_hidden_layers=80,
-                         num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False)
-    with torch.device("meta"):                    # shapes only: no 280 GB of weights
+    config = LlamaConfig(
+        vocab_size=128_256,
+        hidden_size=8192,
+        intermediate_size=28_672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):  # shapes only: no 280 GB of weights
         model = LlamaForCausalLM(config)
     assert layer_weights(model) == LLAMA3_70B_LAYER_WEIGHTS
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(LLAMA3_70B_PARAMS, rel=1e-3)

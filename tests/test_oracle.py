@@ -14,6 +14,7 @@ NEW_TOKENS = 48
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2):
     from paged import LLM
+
     model, tokenizer = smollm2
     return LLM(model=model, tokenizer=tokenizer, num_blocks=512, block_size=16, device="cpu", dtype=torch.float32)
 
@@ -22,8 +23,10 @@ def smollm2_llm(smollm2):
 def hf_reference(smollm2, smollm2_llm, chat_prompts):
     """transformers' greedy continuation of each chat prompt, one prompt at a time, EOS ignored."""
     model, tokenizer = smollm2
-    return [hf_greedy(model, tokenizer(p, add_special_tokens=False)["input_ids"], NEW_TOKENS, stop_at_eos=False)
-            for p in chat_prompts]
+    return [
+        hf_greedy(model, tokenizer(p, add_special_tokens=False)["input_ids"], NEW_TOKENS, stop_at_eos=False)
+        for p in chat_prompts
+    ]
 
 
 def test_smollm2_answers_paris(smollm2_llm, chat_prompts):
@@ -54,14 +57,20 @@ def test_smollm2_in_bf16_equals_transformers_in_bf16_up_to_near_ties(smollm2, ch
     products of the bf16 weights, model/packed_linear.py); where a token differs, transformers ranks both within a
     bf16-sized margin."""
     from paged import LLM
+
     model, tokenizer = smollm2
     model16 = copy.deepcopy(model).to(torch.bfloat16)
     llm = LLM(model=model16, tokenizer=tokenizer, num_blocks=256, device="cpu", dtype=torch.bfloat16)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in chat_prompts[:4]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for index, (prompt, out) in enumerate(zip(prompts, outs)):
-        assert_near_tie(f"prompt {index}", model16, prompt, out.outputs[0].token_ids,
-                        hf_greedy(model16, prompt, 16, stop_at_eos=False))
+        assert_near_tie(
+            f"prompt {index}",
+            model16,
+            prompt,
+            out.outputs[0].token_ids,
+            hf_greedy(model16, prompt, 16, stop_at_eos=False),
+        )
     assert_pool_empty(llm)
 
 
@@ -79,10 +88,20 @@ def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(
     """All the serving machinery at once on the real model: shared chat-template blocks come from the prefix
     cache, prompts arrive in 32-token chunks, and a 48-block pool forces preemptions; tokens must not change."""
     from paged import LLM
+
     model, tokenizer = smollm2
-    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8, device="cpu",
-              dtype=torch.float32)
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        num_blocks=48,
+        block_size=8,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        device="cpu",
+        dtype=torch.float32,
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert run_engine(llm.engine, chat_prompts, params) == hf_reference
     stats = llm.kv_stats()
@@ -94,10 +113,21 @@ def test_swap_preemption_keeps_transformers_tokens(smollm2, chat_prompts, hf_ref
     """Swap preemption (guide §15) on the real model: a 48-block pool swaps sequences out to a host tier and back;
     tokens must not change, and every swapped block comes back."""
     from paged import LLM
+
     model, tokenizer = smollm2
-    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_chunked_prefill=True,
-              max_num_batched_tokens=32, max_num_seqs=8, preemption_mode="swap", swap_space=0.05, device="cpu",
-              dtype=torch.float32)
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        num_blocks=48,
+        block_size=8,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        preemption_mode="swap",
+        swap_space=0.05,
+        device="cpu",
+        dtype=torch.float32,
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert run_engine(llm.engine, chat_prompts, params) == hf_reference
     stats = llm.kv_stats()
@@ -105,19 +135,29 @@ def test_swap_preemption_keeps_transformers_tokens(smollm2, chat_prompts, hf_ref
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("method,extra", [("ngram", {}), ("draft_model", {"draft_layers": 8}),
-                                          ("draft_model", {})])
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("draft_model", {"draft_layers": 8}), ("draft_model", {})])
 def test_speculative_decoding_keeps_transformers_tokens(smollm2, chat_prompts, hf_reference, method, extra):
     """Speculation (prompt lookup, the early-exit self-draft, the target as its own draft) with prefix caching,
     chunked prefill and preemption on: greedy tokens must still be transformers'."""
     from paged import LLM
+
     model, tokenizer = smollm2
     config = {"method": method, "num_speculative_tokens": 3, **extra}
     if method == "draft_model":
         config["model"] = model
-    llm = LLM(model=model, tokenizer=tokenizer, num_blocks=48, block_size=8, enable_prefix_caching=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8, device="cpu",
-              dtype=torch.float32, speculative_config=config)
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        num_blocks=48,
+        block_size=8,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        device="cpu",
+        dtype=torch.float32,
+        speculative_config=config,
+    )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert run_engine(llm.engine, chat_prompts, params) == hf_reference
     stats = llm.spec_stats()
@@ -130,15 +170,17 @@ def test_speculative_decoding_keeps_transformers_tokens(smollm2, chat_prompts, h
 
 # ---- log-probabilities ----------------------------------------------------------------------------------------
 
+
 def hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     """transformers' log-probabilities [len(output), vocab] of each output position, the raw model's (fp32)."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, dim=-1)
 
 
-def assert_logprobs_are_transformers(label: str, entries, output: list[int], reference: torch.Tensor,
-                                     num_top: int) -> None:
+def assert_logprobs_are_transformers(
+    label: str, entries, output: list[int], reference: torch.Tensor, num_top: int
+) -> None:
     """Each position's entry: the chosen token first, with transformers' log-probability and rank; then its
     num_top most likely tokens with their log-probabilities. The set of most likely is checked only where
     transformers' k-th and (k+1)-th are further apart than the two engines' rounding."""
@@ -167,24 +209,28 @@ def test_logprobs_are_transformers_log_softmax(smollm2, smollm2_llm, chat_prompt
     for i, out in enumerate(outs):
         completion = out.outputs[0]
         reference = hf_logprobs(model, out.prompt_token_ids, completion.token_ids)
-        assert_logprobs_are_transformers(f"request {i}", completion.logprobs, completion.token_ids, reference,
-                                         3 if i < 3 else 0)
+        assert_logprobs_are_transformers(
+            f"request {i}", completion.logprobs, completion.token_ids, reference, 3 if i < 3 else 0
+        )
         assert completion.cumulative_logprob == pytest.approx(
-            sum(float(reference[j, t]) for j, t in enumerate(completion.token_ids)), abs=1e-2)
+            sum(float(reference[j, t]) for j, t in enumerate(completion.token_ids)), abs=1e-2
+        )
         for entry in completion.logprobs:
             assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in entry.items())
-    assert all(next(iter(e.values())).rank == 1 for o in outs[:3] for e in o.outputs[0].logprobs)   # greedy
-    assert any(next(iter(e.values())).rank > 1 for o in outs[3:] for e in o.outputs[0].logprobs)    # sampled
-    assert all(len(e) == 1 for o in outs[3:] for e in o.outputs[0].logprobs)   # logprobs=0: the chosen one only
-    assert smollm2_llm.generate(chat_prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)[0] \
-        .outputs[0].logprobs is None   # not asked for, not kept
+    assert all(next(iter(e.values())).rank == 1 for o in outs[:3] for e in o.outputs[0].logprobs)  # greedy
+    assert any(next(iter(e.values())).rank > 1 for o in outs[3:] for e in o.outputs[0].logprobs)  # sampled
+    assert all(len(e) == 1 for o in outs[3:] for e in o.outputs[0].logprobs)  # logprobs=0: the chosen one only
+    assert (
+        smollm2_llm.generate(chat_prompts[0], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].logprobs
+        is None
+    )  # not asked for, not kept
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_logprobs_with_speculative_decoding_are_those_without(tiny_model, method):
     """A verify step appends several tokens at once; each gets the log-probabilities of its own row, so they equal
     those of plain decoding, one token per step."""
-    prompts = [p * 3 for p in random_prompts(4, seed=9, low=3, high=8)]   # repeats: prompt lookup finds drafts
+    prompts = [p * 3 for p in random_prompts(4, seed=9, low=3, high=8)]  # repeats: prompt lookup finds drafts
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":

@@ -18,7 +18,7 @@ def strided_copies(key_cache, value_cache, layout):
     if layout == "padded heads":
         key_store = torch.full((num_blocks, block_size, num_kv_heads + 3, head_dim), float("nan"))
         value_store = torch.full_like(key_store, float("nan"))
-        key, value = key_store[:, :, 1:1 + num_kv_heads], value_store[:, :, 1:1 + num_kv_heads]
+        key, value = key_store[:, :, 1 : 1 + num_kv_heads], value_store[:, :, 1 : 1 + num_kv_heads]
     else:  # "kv halves": one layer's tensor holds K and V side by side in each block
         store = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"))
         key, value = store[:, 0], store[:, 1]
@@ -47,21 +47,27 @@ def strided_inputs(layout):
 def test_reference_attention_on_strided_pools(layout):
     decode_args, prefill_args, (key_cache, value_cache) = strided_inputs(layout)
     query, _, _, tables, context_lens, scale = decode_args
-    assert torch.equal(ref.decode_attention(*decode_args),
-                       ref.decode_attention(query, key_cache, value_cache, tables, context_lens, scale))
+    assert torch.equal(
+        ref.decode_attention(*decode_args),
+        ref.decode_attention(query, key_cache, value_cache, tables, context_lens, scale),
+    )
     chunk, _, _, _, starts, _, _ = prefill_args
-    assert torch.equal(ref.prefill_attention(*prefill_args),
-                       ref.prefill_attention(chunk, key_cache, value_cache, tables, starts, context_lens, scale))
+    assert torch.equal(
+        ref.prefill_attention(*prefill_args),
+        ref.prefill_attention(chunk, key_cache, value_cache, tables, starts, context_lens, scale),
+    )
 
 
 @pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
 def test_reference_attention_on_strided_pools_is_the_cpu_kernels(layout):
     require_cpu_kernel()
     decode_args, prefill_args, _ = strided_inputs(layout)
-    assert torch.allclose(ref.decode_attention(*decode_args), cpu.paged_decode_attention(*decode_args),
-                          atol=1e-5, rtol=1e-5)
-    assert torch.allclose(ref.prefill_attention(*prefill_args), cpu.paged_prefill_attention(*prefill_args),
-                          atol=1e-5, rtol=1e-5)
+    assert torch.allclose(
+        ref.decode_attention(*decode_args), cpu.paged_decode_attention(*decode_args), atol=1e-5, rtol=1e-5
+    )
+    assert torch.allclose(
+        ref.prefill_attention(*prefill_args), cpu.paged_prefill_attention(*prefill_args), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("layout", ["padded heads", "kv halves"])
@@ -69,8 +75,10 @@ def test_write_kv_on_strided_pools(layout):
     key_cache, value_cache, _, _ = paged_pool([40], 16, 2, 64, torch.float32, seed=6, device="cpu")
     key, value = strided_copies(key_cache, value_cache, layout)
     slots = torch.tensor([3, 17, -1, 40, 41, 63])
-    new_key, new_value = random_query(6, 2, 64, torch.float32, seed=7, device="cpu"), \
-        random_query(6, 2, 64, torch.float32, seed=8, device="cpu")
+    new_key, new_value = (
+        random_query(6, 2, 64, torch.float32, seed=7, device="cpu"),
+        random_query(6, 2, 64, torch.float32, seed=8, device="cpu"),
+    )
     ref.write_kv(new_key, new_value, key, value, slots)
     ref.write_kv(new_key, new_value, key_cache, value_cache, slots)
     assert torch.equal(key, key_cache) and torch.equal(value, value_cache)

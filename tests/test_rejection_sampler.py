@@ -28,8 +28,13 @@ def two_sample_p(a: Counter, b: Counter, min_count: int = 10) -> float:
     """p-value that two samples of categories come from one distribution (rare categories pooled)."""
     keys = sorted(set(a) | set(b))
     common = [k for k in keys if a[k] + b[k] >= min_count]
-    rows = torch.tensor([[a[k] for k in common] + [sum(a[k] for k in keys if k not in common)],
-                         [b[k] for k in common] + [sum(b[k] for k in keys if k not in common)]], dtype=torch.float64)
+    rows = torch.tensor(
+        [
+            [a[k] for k in common] + [sum(a[k] for k in keys if k not in common)],
+            [b[k] for k in common] + [sum(b[k] for k in keys if k not in common)],
+        ],
+        dtype=torch.float64,
+    )
     rows = rows[:, rows.sum(0) > 0]
     expected = rows.sum(1, keepdim=True) * rows.sum(0, keepdim=True) / rows.sum()
     statistic = ((rows - expected) ** 2 / expected).sum()
@@ -55,7 +60,7 @@ def emitted(p: torch.Tensor, q: torch.Tensor | None, seed: int) -> tuple[torch.T
     for _ in range(DRAWS):
         drafts = fixed if q is None else torch.multinomial(q, 1, generator=generator)[:, 0].tolist()
         tokens = rejection_sample(p, drafts, q, generator)
-        assert 1 <= len(tokens) <= k + 1 and tokens[:-1] == drafts[:len(tokens) - 1]
+        assert 1 <= len(tokens) <= k + 1 and tokens[:-1] == drafts[: len(tokens) - 1]
         first[tokens[0]] += 1
         if len(tokens) > 1:
             second[tokens[1]] += 1
@@ -65,12 +70,12 @@ def emitted(p: torch.Tensor, q: torch.Tensor | None, seed: int) -> tuple[torch.T
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("proposer", ["draft", "one-hot"])
 def test_emitted_tokens_follow_the_target_distribution(proposer, sparse):
-    p = random_distributions(3, 6, seed=1, sparse=sparse)              # [k + 1, vocab]: the target at 3 positions
+    p = random_distributions(3, 6, seed=1, sparse=sparse)  # [k + 1, vocab]: the target at 3 positions
     q = None if proposer == "one-hot" else random_distributions(2, 6, seed=2, sparse=sparse)
     first, second = emitted(p, q, seed=3)
     assert chi_square_p(first, p[0]) > 1e-3
-    assert chi_square_p(second, p[1]) > 1e-3      # given the first draft kept, the next token follows p_1
-    assert 0 < second.sum() < DRAWS                # some drafts kept, some rejected
+    assert chi_square_p(second, p[1]) > 1e-3  # given the first draft kept, the next token follows p_1
+    assert 0 < second.sum() < DRAWS  # some drafts kept, some rejected
 
 
 def test_the_chi_square_check_catches_a_sampler_that_keeps_every_draft():
@@ -91,13 +96,18 @@ def test_a_draft_equal_to_the_target_is_always_kept():
 
 def test_greedy_accepts_the_longest_matching_prefix_and_one_more():
     assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all kept, plus the bonus token
-    assert greedy_accept([5, 6, 7, 8], [5, 9, 7]) == [5, 6]        # the target's own token at the first miss
+    assert greedy_accept([5, 6, 7, 8], [5, 9, 7]) == [5, 6]  # the target's own token at the first miss
     assert greedy_accept([5, 6], [4]) == [5]
     assert greedy_accept([5], []) == [5]
 
 
-@pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
-                                    {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 1}])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 1},
+    ],
+)
 def test_sampled_tokens_with_and_without_speculation_agree(tiny_model, config):
     """Unseeded, the second and third sampled tokens of one prompt (drawn through rejection sampling with
     speculation on) have the same distribution with and without speculation, over 400 completions each. Seeded,

@@ -74,7 +74,7 @@ def test_one_batch_of_mixed_settings_filters_each_row_by_its_own(real_logits):
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in settings]
     ours = filter_logits(logits, *filter_params(params, logits.shape[-1], logits.device))
     for row, (temperature, top_k, top_p, min_p) in enumerate(settings):
-        oracle = warped_probs(logits[row:row + 1], temperature, top_k, top_p, min_p)[0]
+        oracle = warped_probs(logits[row : row + 1], temperature, top_k, top_p, min_p)[0]
         assert torch.equal(ours[row] > 0, oracle > 0)
         assert (ours[row] - oracle).abs().max().item() <= 1e-6
 
@@ -114,10 +114,14 @@ def test_generate_samples_within_vllms_set(smollm2):
     with torch.no_grad():
         logits = model(ids).logits[:, -1].float()
     allowed = set((warped_probs(logits, 1.5, 50, 0.3, 0.0)[0] > 0).nonzero()[:, 0].tolist())
-    llm = LLM(model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=64,
-              enable_prefix_caching=True)
-    outs = llm.generate([prompt] * 32, [SamplingParams(temperature=1.5, top_k=50, top_p=0.3, max_tokens=1, seed=s)
-                                        for s in range(32)], use_tqdm=False)
+    llm = LLM(
+        model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32, num_blocks=64, enable_prefix_caching=True
+    )
+    outs = llm.generate(
+        [prompt] * 32,
+        [SamplingParams(temperature=1.5, top_k=50, top_p=0.3, max_tokens=1, seed=s) for s in range(32)],
+        use_tqdm=False,
+    )
     first = [out.outputs[0].token_ids[0] for out in outs]
     assert set(first) <= allowed and len(allowed) < 50
     assert_pool_empty(llm)
@@ -128,8 +132,9 @@ def test_min_p_reaches_the_engine(tiny_model):
     llm = make_tiny_llm(tiny_model, num_blocks=128)
     prompts = random_prompts(3, seed=5)
     greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    sampled = llm.generate(prompts, SamplingParams(temperature=2.0, min_p=1.0, max_tokens=8, ignore_eos=True, seed=3),
-                           use_tqdm=False)
+    sampled = llm.generate(
+        prompts, SamplingParams(temperature=2.0, min_p=1.0, max_tokens=8, ignore_eos=True, seed=3), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in sampled] == [o.outputs[0].token_ids for o in greedy]
 
 
@@ -145,12 +150,12 @@ def test_unseeded_draws_follow_the_probabilities(vocab):
     probs = logits.softmax(-1)
     rows = 40_000
     tokens = inverse_cdf_tokens(probs.expand(rows, vocab), generator)
-    counts = torch.bincount(tokens, minlength=vocab).double()                     # [vocab]
+    counts = torch.bincount(tokens, minlength=vocab).double()  # [vocab]
     assert counts[0] == counts[-1] == counts[vocab // 2] == 0
     order = probs.argsort(descending=True)
-    bins = (probs[order].double().cumsum(0) * 20).ceil().clamp(max=20).long()      # [vocab]: bin 1..20 by mass
+    bins = (probs[order].double().cumsum(0) * 20).ceil().clamp(max=20).long()  # [vocab]: bin 1..20 by mass
     observed = torch.zeros(21, dtype=torch.float64).index_add_(0, bins, counts[order])[1:]
     expected = torch.zeros(21, dtype=torch.float64).index_add_(0, bins, rows * probs[order].double())[1:]
     used = expected > 0
     chi_square = float(((observed[used] - expected[used]) ** 2 / expected[used]).sum())
-    assert chi_square < 63.7      # the chi-square distribution's 1 - 1e-6 quantile at 19 degrees of freedom
+    assert chi_square < 63.7  # the chi-square distribution's 1 - 1e-6 quantile at 19 degrees of freedom

@@ -16,12 +16,20 @@ from paged.sampling_params import SamplingParams
 EOS = 2
 
 
-def make_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                   **settings) -> Scheduler:
+def make_scheduler(
+    num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, **settings
+) -> Scheduler:
     """A scheduler for a model of max_model_len positions whose end-of-sequence token is EOS."""
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          vocab_size=100, eos_token_ids=[EOS], **settings)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        vocab_size=100,
+        eos_token_ids=[EOS],
+        **settings,
+    )
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
 
@@ -36,12 +44,14 @@ def step(scheduler: Scheduler, tokens: dict[int, list[int]] | None = None, defau
     """One step: schedule, then hand the scheduler the tokens of every sequence whose chunk reached its end
     (tokens[seq_id], or [default]); returns the plan and the sequences that finished."""
     plan = scheduler.schedule()
-    due = [seq for seq, num_new in plan.batch
-           if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids)]
+    due = [
+        seq
+        for seq, num_new in plan.batch
+        if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids)
+    ]
     due += [child for _, child in plan.forks]
     tokens = tokens or {}
-    finished = scheduler.update_from_output(plan, [(seq, tokens.get(seq.seq_id, [default])) for seq in due],
-                                            now=1.0)
+    finished = scheduler.update_from_output(plan, [(seq, tokens.get(seq.seq_id, [default])) for seq in due], now=1.0)
     return plan, finished
 
 
@@ -84,16 +94,16 @@ def test_accepted_drafts_are_kept_and_rejected_ones_rolled_back():
     K/V of its real tokens only, and a block that held only rejected drafts goes back to the pool."""
     scheduler = make_scheduler(block_size=4)
     seq = add(scheduler, [10, 11, 12], max_tokens=20).seqs[0]
-    step(scheduler, default=13)                        # 4 tokens, 3 computed, one block
-    seq.spec_token_ids = [20, 21, 22, 23]              # drafts, as a proposer sets them
+    step(scheduler, default=13)  # 4 tokens, 3 computed, one block
+    seq.spec_token_ids = [20, 21, 22, 23]  # drafts, as a proposer sets them
     plan, _ = step(scheduler, {seq.seq_id: [20, 30]})  # accept draft 20, reject 21.., the target says 30
-    assert plan.scheduled == [(seq, 5)]                # the last real token and four drafts
+    assert plan.scheduled == [(seq, 5)]  # the last real token and four drafts
     assert seq.token_ids == [10, 11, 12, 13, 20, 30] and seq.spec_token_ids == []
-    assert seq.num_computed_tokens == 5                # 10..13 and 20 have K/V; 30 is next
+    assert seq.num_computed_tokens == 5  # 10..13 and 20 have K/V; 30 is next
     assert len(scheduler.block_manager.block_tables[seq.seq_id]) == 2  # the third block held only drafts
     assert scheduler.block_manager.num_free_blocks == 14
     seq.spec_token_ids = [31, 32]
-    step(scheduler, {seq.seq_id: [31, 32, 33]})       # all accepted, and a bonus token
+    step(scheduler, {seq.seq_id: [31, 32, 33]})  # all accepted, and a bonus token
     assert seq.output_token_ids == [13, 20, 30, 31, 32, 33] and seq.num_computed_tokens == 8
 
 
@@ -117,8 +127,8 @@ def test_a_finished_prompt_forks_its_other_completions_which_share_its_blocks():
     assert all(seq.num_computed_tokens == 6 and seq.status is SequenceStatus.RUNNING for seq in request.seqs)
     tables = [scheduler.block_manager.block_tables[seq.seq_id] for seq in request.seqs]
     assert tables[0] == tables[1] == tables[2] and scheduler.block_manager.num_free_blocks == 14
-    assert request.seqs[1].generator.initial_seed() == 5      # completion i draws from seed + i
-    plan, _ = step(scheduler)                                  # each writes its own copy of the shared last block
+    assert request.seqs[1].generator.initial_seed() == 5  # completion i draws from seed + i
+    plan, _ = step(scheduler)  # each writes its own copy of the shared last block
     assert len(plan.scheduled) == 3 and len(plan.blocks_to_copy) == 2
 
 
@@ -129,7 +139,7 @@ def test_decodes_come_first_in_the_batch_and_chunks_wait_their_turn():
     second = add(scheduler, [3] * 12, "b").seqs[0]
     plan, _ = step(scheduler)
     assert plan.batch == [(first, 1), (second, 7)] and second.num_computed_tokens == 7
-    assert second.num_tokens == 12                             # nothing sampled for a chunk short of the end
+    assert second.num_tokens == 12  # nothing sampled for a chunk short of the end
     plan, _ = step(scheduler)
     assert plan.batch == [(first, 1), (second, 5)] and second.num_tokens == 13
 
@@ -159,23 +169,39 @@ def test_a_checkpoint_restores_queues_and_the_next_sequence_id():
     assert len(scheduler.waiting) == 1 and scheduler.next_seq_id == 1
 
 
-@pytest.mark.parametrize("bad, match", [({"max_num_seqs": 0}, "max_num_seqs"),
-                                        ({"max_num_batched_tokens": 2, "max_num_seqs": 4}, "max_num_batched_tokens"),
-                                        ({"block_size": 12}, "power of two"), ({"num_blocks": 0}, "num_blocks"),
-                                        ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
-                                        ({"preemption_mode": "drop"}, "preemption_mode"),
-                                        ({"speculative_config": {"method": "magic"}}, "speculative_config")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 2, "max_num_seqs": 4}, "max_num_batched_tokens"),
+        ({"block_size": 12}, "power of two"),
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),
+        ({"preemption_mode": "drop"}, "preemption_mode"),
+        ({"speculative_config": {"method": "magic"}}, "speculative_config"),
+    ],
+)
 def test_bad_settings_are_refused_when_the_config_is_made(bad, match):
     with pytest.raises(ValueError, match=match):
         make_scheduler(**bad)
 
 
 def test_a_config_pickles_and_checks_prompts_against_the_model_and_the_pool():
-    config = pickle.loads(pickle.dumps(EngineConfig(block_size=4, num_blocks=8, max_num_batched_tokens=16,
-                                                    max_num_seqs=2, max_model_len=64, vocab_size=100)))
-    config.check_prompt([1] * 16, max_tokens=16, n=2)                  # 32 tokens: the whole pool
-    for token_ids, max_tokens, n, match in [([], 1, 1, "empty"), ([100], 1, 1, "vocabulary"),
-                                            ([1] * 64, 1, 1, "max_model_len"), ([1] * 16, 17, 1, "KV pool"),
-                                            ([1] * 17, 1, 1, "max_num_batched_tokens"), ([1], 1, 3, "max_num_seqs")]:
+    config = pickle.loads(
+        pickle.dumps(
+            EngineConfig(
+                block_size=4, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=64, vocab_size=100
+            )
+        )
+    )
+    config.check_prompt([1] * 16, max_tokens=16, n=2)  # 32 tokens: the whole pool
+    for token_ids, max_tokens, n, match in [
+        ([], 1, 1, "empty"),
+        ([100], 1, 1, "vocabulary"),
+        ([1] * 64, 1, 1, "max_model_len"),
+        ([1] * 16, 17, 1, "KV pool"),
+        ([1] * 17, 1, 1, "max_num_batched_tokens"),
+        ([1], 1, 3, "max_num_seqs"),
+    ]:
         with pytest.raises(ValueError, match=match):
             config.check_prompt(token_ids, max_tokens, n)

@@ -25,11 +25,12 @@ def looping_prompt(seed: int) -> list[int]:
 
 
 def spec_config(model, method: str) -> dict | None:
-    return {"none": None,
-            "ngram": {"method": "ngram", "num_speculative_tokens": K},
-            "draft=target": {"method": "draft_model", "model": model, "num_speculative_tokens": K},
-            "early-exit": {"method": "draft_model", "model": model, "num_speculative_tokens": K, "draft_layers": 1},
-            }[method]
+    return {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": K},
+        "draft=target": {"method": "draft_model", "model": model, "num_speculative_tokens": K},
+        "early-exit": {"method": "draft_model", "model": model, "num_speculative_tokens": K, "draft_layers": 1},
+    }[method]
 
 
 def alone(model, prompt: list[int], params: SamplingParams, method: str, **engine) -> list[list[int]]:
@@ -43,28 +44,39 @@ def crowded(model, prompt: list[int], params: SamplingParams, method: str) -> tu
     """Each completion's tokens with eight other requests beside it in a pool too small for them all, and what the
     pressure did: preemptions (of any sequence, and of the request's own), and the request's drafts: proposed, and
     cut by the scheduler (budget or pool short) or thrown away by a preemption."""
-    llm = make_tiny_llm(model, num_blocks=24, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
-                        enable_chunked_prefill=True, speculative_config=spec_config(model, method))
+    llm = make_tiny_llm(
+        model,
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        enable_chunked_prefill=True,
+        speculative_config=spec_config(model, method),
+    )
     engine = llm.engine
     pressure = {"preemptions": 0, "own_preemptions": 0, "drafts_proposed": 0, "drafts_cut": 0}
     schedule = engine.scheduler.schedule
 
     def schedule_and_count():
-        proposed = {seq: len(seq.spec_token_ids) for seq in engine.scheduler.running
-                    if seq.request.request_id == target}
+        proposed = {
+            seq: len(seq.spec_token_ids) for seq in engine.scheduler.running if seq.request.request_id == target
+        }
         plan = schedule()
         scheduled = {seq for seq, _ in plan.scheduled}
         pressure["preemptions"] += len(plan.preempted)
         pressure["drafts_proposed"] += sum(proposed.values())
         pressure["own_preemptions"] += sum(seq.request.request_id == target for seq in plan.preempted)
-        pressure["drafts_cut"] += sum(n - (len(seq.spec_token_ids) if seq in scheduled else 0)
-                                      for seq, n in proposed.items())
+        pressure["drafts_cut"] += sum(
+            n - (len(seq.spec_token_ids) if seq in scheduled else 0) for seq, n in proposed.items()
+        )
         return plan
 
     engine.scheduler.schedule = schedule_and_count
     others = [looping_prompt(s) for s in range(50, 54)] + random_prompts(4, seed=55, low=10, high=30)
-    other_params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=s if s % 2 else None)
-                    for s in range(len(others))]
+    other_params = [
+        SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=s if s % 2 else None)
+        for s in range(len(others))
+    ]
     for p, sp in zip(others[:4], other_params[:4]):
         engine.add_request(engine.make_request(p, sp))
     target = engine.add_request(engine.make_request(prompt, params))
@@ -83,8 +95,8 @@ def test_a_seeded_request_gives_the_same_tokens_alone_crowded_and_without_specul
     expected = alone(tiny_model, prompt, SEEDED, "none")
     assert alone(tiny_model, prompt, SEEDED, method) == expected
     tokens, pressure = crowded(tiny_model, prompt, SEEDED, method)
-    assert pressure["own_preemptions"] > 0 and pressure["drafts_proposed"] > 0   # the pool really was short
-    assert pressure["drafts_cut"] > 0 or method == "ngram"   # a random model seldom repeats: few lookups hit
+    assert pressure["own_preemptions"] > 0 and pressure["drafts_proposed"] > 0  # the pool really was short
+    assert pressure["drafts_cut"] > 0 or method == "ngram"  # a random model seldom repeats: few lookups hit
     assert tokens == expected
     assert crowded(tiny_model, prompt, SEEDED, "none")[0] == expected
 
@@ -123,7 +135,7 @@ def test_draft_equal_to_target_keeps_every_seeded_draft(tiny_model):
 def test_the_seeded_draw_is_torch_multinomials():
     """seeded_token over exponential_noise draws what torch.multinomial(probs, 1) draws from the same generator,
     one position after another: seeded sampling's tokens are the ones it gave before it was keyed by position."""
-    probs = random_distributions(6, 300, seed=7, sparse=True)                       # [positions, vocab]
+    probs = random_distributions(6, 300, seed=7, sparse=True)  # [positions, vocab]
     for seed in range(20):
         ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         for row in probs:
@@ -132,7 +144,7 @@ def test_the_seeded_draw_is_torch_multinomials():
 
 def test_seeded_tokens_follow_the_distribution_over_seeds():
     """Over many seeds, the keyed draw at a position is distributed as the filtered softmax (chi-square)."""
-    p = random_distributions(1, 6, seed=1, sparse=True)[0]                          # [vocab]
+    p = random_distributions(1, 6, seed=1, sparse=True)[0]  # [vocab]
     counts = torch.zeros(6)
     for seed in range(DRAWS):
         counts[seeded_token(p, exponential_noise(p, torch.Generator().manual_seed(seed)))] += 1
@@ -142,15 +154,15 @@ def test_seeded_tokens_follow_the_distribution_over_seeds():
 def test_seeded_verify_emits_what_plain_sampling_would_and_follows_the_target():
     """seeded_accept keeps the drafts that equal the keyed draw at their position, then adds the keyed draw: the
     tokens are plain sampling's whatever the drafts, and over many seeds each position follows the target."""
-    p = random_distributions(3, 6, seed=1, sparse=True)                             # [k + 1, vocab]
+    p = random_distributions(3, 6, seed=1, sparse=True)  # [k + 1, vocab]
     first, second = torch.zeros(6), torch.zeros(6)
     for seed in range(DRAWS // 4):
         plain = torch.Generator().manual_seed(seed)
         expected = [int(torch.multinomial(row, 1, generator=plain)) for row in p]
         for drafts in ([], expected[:2], [expected[0], (expected[1] + 1) % 6], [(expected[0] + 1) % 6, 0]):
             tokens = seeded_accept(p, drafts, torch.Generator().manual_seed(seed))
-            assert tokens == expected[:len(tokens)]
-            assert tokens[:-1] == drafts[:len(tokens) - 1] and len(tokens) <= len(drafts) + 1
+            assert tokens == expected[: len(tokens)]
+            assert tokens[:-1] == drafts[: len(tokens) - 1] and len(tokens) <= len(drafts) + 1
         first[expected[0]] += 1
         second[expected[1]] += 1
     assert chi_square_p(first, p[0]) > 1e-3 and chi_square_p(second, p[1]) > 1e-3
@@ -159,18 +171,18 @@ def test_seeded_verify_emits_what_plain_sampling_would_and_follows_the_target():
 def test_a_seeded_verify_draws_one_noise_per_emitted_token():
     """The generator moves on by as many positions as tokens are appended, so the next step's draw is the next
     position's, whatever was rejected."""
-    p = random_distributions(4, 6, seed=2)                                         # [k + 1, vocab]
+    p = random_distributions(4, 6, seed=2)  # [k + 1, vocab]
     for seed in range(50):
         generator = torch.Generator().manual_seed(seed)
         tokens = seeded_accept(p, [0, 1, 2], generator)
         reference = torch.Generator().manual_seed(seed)
-        for row in p[:len(tokens)]:
+        for row in p[: len(tokens)]:
             exponential_noise(row, reference)
         assert torch.equal(generator.get_state(), reference.get_state())
 
 
 def test_sample_draws_seeded_rows_by_the_keyed_draw():
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 2      # [rows, vocab]
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 2  # [rows, vocab]
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
     generators = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
     tokens = sample(logits, params, generators, torch.Generator().manual_seed(0))

@@ -17,8 +17,14 @@ def serve_compare(monkeypatch):
 
 def vllm_bench(ttft_p99_ms, itl_p99_ms, out_tok_s, goodput, completed=20, failed=0, duration=10.0):
     """The fields of `vllm bench serve --save-result` the comparison reads (times in ms)."""
-    saved = {"request_throughput": completed / duration, "output_throughput": out_tok_s, "request_goodput": goodput,
-             "completed": completed, "failed": failed, "duration": duration}
+    saved = {
+        "request_throughput": completed / duration,
+        "output_throughput": out_tok_s,
+        "request_goodput": goodput,
+        "completed": completed,
+        "failed": failed,
+        "duration": duration,
+    }
     for name, p99 in (("ttft", ttft_p99_ms), ("itl", itl_p99_ms), ("tpot", 50.0), ("e2el", 5000.0)):
         saved[f"p50_{name}_ms"], saved[f"p99_{name}_ms"] = p99 / 2, p99
     return saved
@@ -26,13 +32,18 @@ def vllm_bench(ttft_p99_ms, itl_p99_ms, out_tok_s, goodput, completed=20, failed
 
 def guidellm(ttft_p99_ms, successful=10, duration=5.0):
     """The fields of GuideLLM 0.8.1's `--output kind=json` report the comparison reads (times in ms, latency in s)."""
+
     def stats(p50, p99):
         return {"successful": {"percentiles": {"p50": p50, "p99": p99}}}
-    metrics = {"request_totals": {"successful": successful, "errored": 1, "incomplete": 0},
-               "output_token_count": {"successful": {"total_sum": 500}},
-               "time_to_first_token_ms": stats(ttft_p99_ms / 2, ttft_p99_ms),
-               "inter_token_latency_ms": stats(40.0, 60.0), "time_per_output_token_ms": stats(45.0, 70.0),
-               "request_latency": stats(3.0, 4.0)}
+
+    metrics = {
+        "request_totals": {"successful": successful, "errored": 1, "incomplete": 0},
+        "output_token_count": {"successful": {"total_sum": 500}},
+        "time_to_first_token_ms": stats(ttft_p99_ms / 2, ttft_p99_ms),
+        "inter_token_latency_ms": stats(40.0, 60.0),
+        "time_per_output_token_ms": stats(45.0, 70.0),
+        "request_latency": stats(3.0, 4.0),
+    }
     return {"benchmarks": [{"metrics": metrics, "duration": duration}]}
 
 
@@ -48,9 +59,8 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     write(tmp_path, "paged_vllm-bench_random_4_r1", vllm_bench(9000, 300, 90, 0.5))
     write(tmp_path, "vllm_vllm-bench_random_4_r1", vllm_bench(5000, 900, 110, 1.9))
     write(tmp_path, "paged_guidellm_synthetic_2_r1", guidellm(800))
-    write(tmp_path, "paged_serve-bench_sharegpt_2_r1",
-          {"summary": {name: 1.0 for name in serve_compare.FIGURES}})
-    write(tmp_path, "paged_vllm-bench_sharegpt_2_r1", vllm_bench(700, 150, 80, 1.8))   # ShareGPT-like file, every round
+    write(tmp_path, "paged_serve-bench_sharegpt_2_r1", {"summary": {name: 1.0 for name in serve_compare.FIGURES}})
+    write(tmp_path, "paged_vllm-bench_sharegpt_2_r1", vllm_bench(700, 150, 80, 1.8))  # ShareGPT-like file, every round
     write(tmp_path, "vllm_vllm-bench_sharegpt_2_r1", vllm_bench(600, 300, 90, 1.9))
     runs = serve_compare.read_runs(tmp_path)
     assert len(runs) == 10
@@ -58,20 +68,20 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     paged = rows[("vllm-bench", "random", 1.0, "paged")]
     assert paged["rounds"] == 2 and paged["ttft_p99"] == pytest.approx(2.0) and paged["itl_p99"] == pytest.approx(0.3)
     assert paged["output_tok_s"] == pytest.approx(110) and paged["goodput_rps"] == pytest.approx(1.5)
-    assert paged["slo_attainment"] == pytest.approx((2.0 * 10 / 20 + 1.0 * 10 / 20) / 2)   # met / sent, per round
+    assert paged["slo_attainment"] == pytest.approx((2.0 * 10 / 20 + 1.0 * 10 / 20) / 2)  # met / sent, per round
     guide = rows[("guidellm", "synthetic", 2.0, "paged")]
     assert guide["ttft_p99"] == pytest.approx(0.8) and guide["itl_p99"] == pytest.approx(0.06)
-    assert guide["tpot_p99"] == pytest.approx(0.06)   # vLLM's TPOT leaves out the first token, as GuideLLM's ITL does
+    assert guide["tpot_p99"] == pytest.approx(0.06)  # vLLM's TPOT leaves out the first token, as GuideLLM's ITL does
     assert guide["throughput_rps"] == pytest.approx(2.0) and guide["output_tok_s"] == pytest.approx(100)
     assert guide["failures"] == 1
     compared = serve_compare.comparisons(list(rows.values()))
     at = {c["rate"]: c for c in compared["at_rates"]}
     assert at[1.0]["itl p99 <= vllm"] and at[1.0]["output tok/s >= vllm"]
-    assert not at[1.0]["ttft p99 <= vllm"] and not at[1.0]["goodput >= vllm"]   # 2 s against 1.5; 1.5 against 2
+    assert not at[1.0]["ttft p99 <= vllm"] and not at[1.0]["goodput >= vllm"]  # 2 s against 1.5; 1.5 against 2
     assert at[1.0]["itl p99 ratio"] == pytest.approx(0.6)
     assert at[4.0]["itl p99 <= vllm"] and not at[4.0]["ttft p99 <= vllm"]
-    assert compared["highest_rate_90pct_slo"] == {"paged": None, "vllm": 4.0}   # 19 of 20 met at 4 req/s
-    sharegpt = next(c for c in compared["at_rates"] if c["workload"] == "sharegpt")   # beside serve_bench.py's run
+    assert compared["highest_rate_90pct_slo"] == {"paged": None, "vllm": 4.0}  # 19 of 20 met at 4 req/s
+    sharegpt = next(c for c in compared["at_rates"] if c["workload"] == "sharegpt")  # beside serve_bench.py's run
     assert sharegpt["client"] == "vllm-bench" and sharegpt["rate"] == 2.0 and sharegpt["itl p99 <= vllm"]
     assert not sharegpt["ttft p99 <= vllm"] and sharegpt["itl p99 ratio"] == pytest.approx(0.5)
     assert rows[("serve-bench", "sharegpt", 2.0, "paged")]["ttft_p99"] == 1.0
@@ -98,3 +108,18 @@ def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, c
     assert saved["how"] == {"cores": "0-1", "paged": "python -m paged serve"}
     assert [r["rate"] for r in saved["summary"]] == [0.5] and len(saved["runs"]) == 1
     assert "0.5 paged" in capsys.readouterr().out
+
+
+def test_a_budget_sweep_compares_each_budget_with_vllm(serve_compare, tmp_path, capsys):
+    write(tmp_path, "paged_vllm-bench_random_2_r1", vllm_bench(3000, 200, 100, 1.0))
+    write(tmp_path, "paged-b512_vllm-bench_random_2_r1", vllm_bench(1000, 400, 120, 2.0))
+    write(tmp_path, "vllm_vllm-bench_random_2_r1", vllm_bench(1500, 500, 110, 1.9))
+    rows = serve_compare.average(serve_compare.read_runs(tmp_path))
+    compared = serve_compare.comparisons(rows)
+    by_server = {c["server"]: c for c in compared["at_rates"]}
+    assert set(by_server) == {"paged", "paged-b512"}
+    assert not by_server["paged"]["ttft p99 <= vllm"] and by_server["paged-b512"]["ttft p99 <= vllm"]
+    assert by_server["paged-b512"]["output tok/s >= vllm"] and not by_server["paged"]["output tok/s >= vllm"]
+    assert compared["highest_rate_90pct_slo"] == {"paged": None, "paged-b512": 2.0, "vllm": 2.0}
+    serve_compare.print_tables(rows, compared)
+    assert "paged-b512, vllm-bench, random, 2 req/s: goodput >= vllm yes" in capsys.readouterr().out

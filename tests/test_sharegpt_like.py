@@ -21,7 +21,7 @@ def test_every_text_is_as_many_tokens_of_whole_words_as_drawn(sharegpt_like, smo
     lengths = sharegpt_like.drawn_lengths(40, 3, 512, 128)
     assert lengths == [(len(r.prompt), r.max_tokens) for r in make_requests(40, "sharegpt", 3, 512, 128)]
     data = sharegpt_like.conversations(tokenizer, lengths, 3)
-    sharegpt_like.check_lengths(tokenizer, data, lengths)   # raises on a text of another length
+    sharegpt_like.check_lengths(tokenizer, data, lengths)  # raises on a text of another length
     counted = [tuple(len(tokenizer(turn["value"]).input_ids) for turn in entry["conversations"]) for entry in data]
     assert counted == lengths
     assert [turn["from"] for turn in data[0]["conversations"]] == ["human", "gpt"]

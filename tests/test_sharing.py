@@ -84,8 +84,13 @@ def test_parallel_sampling_on_shared_blocks_equals_independent_requests(tiny_mod
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]), st.integers(0, 10**6)),
-                    min_size=1, max_size=40))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=40,
+    )
+)
 def test_random_operations_keep_the_books(tiny_model, ops):
     """Requests with shared prefixes, n > 1, aborts and a small pool, in any order: no leak, exact ref counts."""
     llm = make_tiny_llm(tiny_model, num_blocks=24, block_size=4, enable_prefix_caching=True, max_num_seqs=6)
@@ -95,8 +100,13 @@ def test_random_operations_keep_the_books(tiny_model, ops):
         if op == "add":
             tail = random_prompts(1, seed=value, low=1, high=10)[0]
             n = 1 + value % 3
-            params = SamplingParams(n=n, temperature=0.0 if n == 1 and value % 2 else 1.0, max_tokens=1 + value % 7,
-                                    ignore_eos=True, seed=value)
+            params = SamplingParams(
+                n=n,
+                temperature=0.0 if n == 1 and value % 2 else 1.0,
+                max_tokens=1 + value % 7,
+                ignore_eos=True,
+                seed=value,
+            )
             engine.add_request(engine.make_request(prefix + tail if value % 4 else tail, params))
         elif op == "abort" and engine.requests:
             engine.abort_request(sorted(engine.requests)[value % len(engine.requests)])

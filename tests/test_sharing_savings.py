@@ -82,7 +82,8 @@ def test_block_usage_is_counted_at_the_forward_pass(tiny_model, prompt_len):
         assert usage[:9] == [(2, 2)] + [(6, 12)] * 8
         assert usage[9][1] == 16 and 7 <= usage[9][0] <= 10
     assert beam_search_saving(llm, [prompt], [10], beam_width=4) == sum(
-        (BlockSteps(physical, logical) for physical, logical in usage), BlockSteps())
+        (BlockSteps(physical, logical) for physical, logical in usage), BlockSteps()
+    )
     assert_pool_empty(llm)
 
 
@@ -91,9 +92,12 @@ def test_on_forward_sees_the_step_copies(tiny_model):
     engine = llm.engine
     seen = []
     with on_forward(engine, lambda plan: seen.append((len(plan.scheduled), plan.blocks_to_copy))):
-        llm.generate([random_prompts(1, seed=7, low=21, high=22)[0]],  # its third block is shared and partial
-                     SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=0, ignore_eos=True), use_tqdm=False)
-    assert seen[0] == (1, [])                      # the prefill: one sequence, nothing to copy
+        llm.generate(
+            [random_prompts(1, seed=7, low=21, high=22)[0]],  # its third block is shared and partial
+            SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=0, ignore_eos=True),
+            use_tqdm=False,
+        )
+    assert seen[0] == (1, [])  # the prefill: one sequence, nothing to copy
     assert seen[1][0] == 3 and len(seen[1][1]) == 2  # first decode: two of three writers copy the partial block
     assert engine.forward_observers == []  # the observer is gone again
 
@@ -117,8 +121,11 @@ def test_fork_caption():
 def test_sequences_snapshot_labels_each_fork(tiny_model):
     llm = make_tiny_llm(tiny_model, num_blocks=64, block_size=8)
     engine = llm.engine
-    engine.add_request(engine.make_request(random_prompts(1, seed=8, low=20, high=21)[0],
-                                           SamplingParams(n=3, max_tokens=4, seed=0, ignore_eos=True)))
+    engine.add_request(
+        engine.make_request(
+            random_prompts(1, seed=8, low=20, high=21)[0], SamplingParams(n=3, max_tokens=4, seed=0, ignore_eos=True)
+        )
+    )
     engine.step()
     snap = sequences_snapshot(engine)
     assert snap.labels == {0: "seq 0 · req 0", 1: "seq 1 · req 0", 2: "seq 2 · req 0"}

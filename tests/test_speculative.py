@@ -27,9 +27,11 @@ def looping_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def configs(model) -> dict:
-    return {"ngram": dict(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1),
-            "draft=target": dict(method="draft_model", model=model),
-            "early-exit": dict(method="draft_model", model=model, draft_layers=1)}
+    return {
+        "ngram": dict(method="ngram", prompt_lookup_max=3, prompt_lookup_min=1),
+        "draft=target": dict(method="draft_model", model=model),
+        "early-exit": dict(method="draft_model", model=model, draft_layers=1),
+    }
 
 
 def assert_draft_pool_empty(llm) -> None:
@@ -57,9 +59,16 @@ def expected(tiny_model, prompts):
 def test_greedy_tokens_do_not_change_with_all_the_machinery_on(tiny_model, prompts, expected, method, k):
     """Prefix caching, chunked prefill and a pool small enough to preempt, with speculation on."""
     config = {**configs(tiny_model)[method], "num_speculative_tokens": k}
-    llm = make_tiny_llm(tiny_model, num_blocks=20, block_size=8, enable_prefix_caching=True,
-                        enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8,
-                        speculative_config=config)
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=20,
+        block_size=8,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        speculative_config=config,
+    )
     prefix_of = record_cached_prefixes(llm)
     assert run_engine(llm.engine, prompts, GREEDY) == expected
     stats = llm.spec_stats()
@@ -73,8 +82,7 @@ def test_greedy_tokens_do_not_change_with_all_the_machinery_on(tiny_model, promp
 
 def test_speculative_tokens_equal_transformers(tiny_model):
     prompts = looping_prompts(4, seed=23)
-    llm = make_tiny_llm(tiny_model, num_blocks=128,
-                        speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = make_tiny_llm(tiny_model, num_blocks=128, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_model, prompt, GREEDY.max_tokens, stop_at_eos=False)
@@ -82,8 +90,11 @@ def test_speculative_tokens_equal_transformers(tiny_model):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_model, prompts, k):
-    llm = make_tiny_llm(tiny_model, num_blocks=256,
-                        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": k})
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=256,
+        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": k},
+    )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     stats = llm.spec_stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"]
@@ -95,9 +106,17 @@ def test_draft_equal_to_target_accepts_every_greedy_draft(tiny_model, prompts, k
 def test_rejected_drafts_give_their_blocks_back_at_once(tiny_model, prompts):
     """After every step each running sequence holds exactly the blocks its computed tokens need, and the next
     token goes into the slot the first rejected draft had."""
-    llm = make_tiny_llm(tiny_model, num_blocks=256, block_size=2,
-                        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 5,
-                                            "draft_layers": 1})
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=256,
+        block_size=2,
+        speculative_config={
+            "method": "draft_model",
+            "model": tiny_model,
+            "num_speculative_tokens": 5,
+            "draft_layers": 1,
+        },
+    )
     engine, manager = llm.engine, llm.engine.block_manager
     verify_slots = {}  # seq_id -> (first position verified, slots of the verified positions)
 
@@ -134,8 +153,11 @@ def test_rejected_drafts_give_their_blocks_back_at_once(tiny_model, prompts):
 
 def test_a_sequence_near_max_tokens_proposes_fewer(tiny_model, prompts):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    llm = make_tiny_llm(tiny_model, num_blocks=256,
-                        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 5})
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=256,
+        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 5},
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     assert llm.spec_stats()["num_accepted_tokens_per_pos"][2:] == [0, 0, 0]  # 1 sampled, then at most 1 + 1
@@ -148,8 +170,10 @@ BAD_CONFIGS = [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "prompt_lookup_min"),
+    (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+        "prompt_lookup_min",
+    ),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "smollm2"}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
@@ -165,34 +189,72 @@ def test_bad_speculative_configs_are_named(tiny_model, config, key):
         make_tiny_llm(tiny_model, speculative_config=config)
 
 
-def test_drafts_of_another_vocabulary_length_or_depth_are_refused_and_the_engine_works_after(tiny_model, prompts, expected):
+def test_drafts_of_another_vocabulary_length_or_depth_are_refused_and_the_engine_works_after(
+    tiny_model, prompts, expected
+):
     llm = make_tiny_llm(tiny_model, num_blocks=256)
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
-    short = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                         max_position_embeddings=64)).eval()
-    for config, message in [({"model": other}, "vocabulary"), ({"model": short}, "positions"),
-                            ({"model": tiny_model, "draft_layers": 3}, "draft_layers")]:
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    ).eval()
+    short = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    for config, message in [
+        ({"model": other}, "vocabulary"),
+        ({"model": short}, "positions"),
+        ({"model": tiny_model, "draft_layers": 3}, "draft_layers"),
+    ]:
         with pytest.raises(ValueError, match=message):
-            make_tiny_llm(tiny_model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
-                                                          **config})
+            make_tiny_llm(
+                tiny_model, speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **config}
+            )
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
-    good = make_tiny_llm(tiny_model, num_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    good = make_tiny_llm(
+        tiny_model, num_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    )
     assert [o.outputs[0].token_ids for o in good.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
 
 def test_spec_stats_are_zero_without_speculation(tiny_model, prompts):
     llm = make_tiny_llm(tiny_model, num_blocks=256)
     llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-    assert llm.spec_stats() == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                                "num_accepted_tokens_per_pos": []}
+    assert llm.spec_stats() == {
+        "num_drafts": 0,
+        "num_draft_tokens": 0,
+        "num_accepted_tokens": 0,
+        "num_accepted_tokens_per_pos": [],
+    }
 
 
 def test_an_interrupted_verify_is_rolled_back(tiny_model, prompts, expected):
-    llm = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True,
-                        speculative_config={"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3,
-                                            "draft_layers": 1})
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=64,
+        enable_prefix_caching=True,
+        speculative_config={
+            "method": "draft_model",
+            "model": tiny_model,
+            "num_speculative_tokens": 3,
+            "draft_layers": 1,
+        },
+    )
     engine = llm.engine
     ids = [engine.add_request(engine.make_request(p, GREEDY)) for p in prompts]
     # each interrupts a step that verifies drafts
@@ -208,8 +270,13 @@ def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model
     llm = make_tiny_llm(tiny_model, num_blocks=128, speculative_config=config)
     params = SamplingParams(n=3, temperature=1.0, top_k=20, max_tokens=16, seed=5, ignore_eos=True)
     shared = []
-    llm.engine.forward_observers.append(lambda plan: shared.append(max(llm.engine.block_manager.ref_count(b)
-                                        for t in llm.engine.block_manager.block_tables.values() for b in t)))
+    llm.engine.forward_observers.append(
+        lambda plan: shared.append(
+            max(
+                llm.engine.block_manager.ref_count(b) for t in llm.engine.block_manager.block_tables.values() for b in t
+            )
+        )
+    )
     outs = llm.generate(prompts[:4], params, use_tqdm=False)
     llm.engine.forward_observers.clear()
     assert max(shared) == 3  # a prompt block held by all three completions
@@ -227,8 +294,9 @@ def test_parallel_sampling_shares_blocks_and_beam_search_is_unchanged(tiny_model
 def test_the_cost_model_finds_where_speculation_stops_paying():
     from paged.analysis.speculative_cost import crossover_batch, expected_tokens, verify_speedup
     from paged.analysis.step_cost import StepCost
-    weights_bound = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost one
-    compute_bound = StepCost(fixed=0.0, per_token=1.0, per_seq=0.0, per_pair=0.0)   # k + 1 tokens cost k + 1
+
+    weights_bound = StepCost(fixed=1.0, per_token=0.0, per_seq=0.0, per_pair=0.0)  # k + 1 tokens cost one
+    compute_bound = StepCost(fixed=0.0, per_token=1.0, per_seq=0.0, per_pair=0.0)  # k + 1 tokens cost k + 1
     assert verify_speedup(weights_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3))
     assert verify_speedup(compute_bound, 64, 3, 0.5, context=100) == pytest.approx(expected_tokens(0.5, 3) / 4)
     assert crossover_batch(weights_bound, 3, 0.5, context=100) is None
@@ -243,6 +311,7 @@ def test_the_cost_model_finds_where_speculation_stops_paying():
 
 def test_measure_step_times_decodes_and_verifies_and_gives_the_pool_back(tiny_model):
     from paged.analysis.speculative_cost import measure_step
+
     llm = make_tiny_llm(tiny_model, num_blocks=32)
     assert measure_step(llm.engine, 4, 1, context=20, repeats=2) > 0
     assert measure_step(llm.engine, 4, 4, context=20, repeats=2) > 0
@@ -262,15 +331,21 @@ def test_forks_made_while_their_parent_verifies_drafts_take_only_its_accepted_to
     their K/V, never the drafts: one that started past its own tokens would never be scheduled again (the
     request hangs, then the scheduler finds nothing to run). top_k=1 makes every completion the greedy one."""
     config = {**configs(tiny_model)[method], "num_speculative_tokens": 3}
-    llm = make_tiny_llm(tiny_model, num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=16,
-                        max_num_seqs=4, speculative_config=config)
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=64,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        speculative_config=config,
+    )
     engine = llm.engine
-    prompt = looping_prompts(1, seed=5)[0][:17]   # 16 tokens in the first chunk, 1 in the second
+    prompt = looping_prompts(1, seed=5)[0][:17]  # 16 tokens in the first chunk, 1 in the second
     assert len(prompt) == 17
     params = SamplingParams(n=3, temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True)
     engine.add_request(engine.make_request(prompt, params))
     outputs = []
-    for _ in range(30):   # a few steps do it; a hang stops here instead of stalling the suite
+    for _ in range(30):  # a few steps do it; a hang stops here instead of stalling the suite
         if not engine.has_unfinished_requests():
             break
         outputs += engine.step()
@@ -289,12 +364,13 @@ def test_the_two_acceptances_and_the_break_even_point():
         expected_tokens,
         rate_of_acceptance,
     )
+
     # r by counting: over many verifies with independent per-position acceptance a, accepted / drafted
     generator = torch.Generator().manual_seed(0)
     a, k, verifies = 0.7, 3, 200_000
     accepted = (torch.rand(verifies, k, generator=generator) < a).int().cumprod(dim=1).sum()
     assert rate_of_acceptance(a, k) == pytest.approx(accepted.item() / (verifies * k), abs=3e-3)
-    assert rate_of_acceptance(0.75, 5) == pytest.approx(0.4576, abs=1e-4)   # chapter 09: a = 0.75 gives r = 0.46
+    assert rate_of_acceptance(0.75, 5) == pytest.approx(0.4576, abs=1e-4)  # chapter 09: a = 0.75 gives r = 0.46
     assert acceptance_of_rate(rate_of_acceptance(0.42, 4), 4) == pytest.approx(0.42)
     # a verify that costs 2 decode steps pays from E = 2 on: r = 1/3 with k = 3
     a_even, r_even = break_even_acceptance(2.0, 3)

@@ -18,8 +18,8 @@ class SpeculativeBlocksMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(2, 24), block_size=st.sampled_from([1, 2, 4, 8]))
     def make(self, num_blocks, block_size):
         self.manager = BlockManager(num_blocks, block_size)
-        self.computed: dict[int, int] = {}          # seq_id -> tokens with K/V
-        self.proposed: dict[int, list[int]] = {}    # seq_id -> slots of the verify's positions, while proposed
+        self.computed: dict[int, int] = {}  # seq_id -> tokens with K/V
+        self.proposed: dict[int, list[int]] = {}  # seq_id -> slots of the verify's positions, while proposed
         self.next_id = 0
         self.reused = 0
 

@@ -12,7 +12,7 @@ from paged import SamplingParams
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_each_part_of_a_decode_step_is_found(monkeypatch, backend):
     if backend == "cpu":
-        require_cpu_kernel()      # its parts are the C++ kernel's ops
+        require_cpu_kernel()  # its parts are the C++ kernel's ops
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     step_profile = importlib.import_module("step_profile")
     engine = make_tiny_llm(tiny_llama(), attention_backend=backend).engine
@@ -24,5 +24,5 @@ def test_each_part_of_a_decode_step_is_found(monkeypatch, backend):
     for name in set(step_profile.parts_of(backend).values()):
         assert parts.get(name, 0.0) > 0, name
     assert abs(sum(parts.values()) - wall_ms) < 1e-6 * wall_ms
-    assert 0 < outside_ms < plain_ms   # the forward pass was timed, inside the step
-    assert "forward" not in vars(engine.model)   # and the model is as it was
+    assert 0 < outside_ms < plain_ms  # the forward pass was timed, inside the step
+    assert "forward" not in vars(engine.model)  # and the model is as it was

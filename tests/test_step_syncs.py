@@ -26,6 +26,7 @@ def no_read_backs(calls: list):
         def method(self, *args, **kwargs):
             calls.append(name)
             return saved[name](self, *args, **kwargs)
+
         return method
 
     for name in READ_BACKS:
@@ -54,12 +55,18 @@ def four_layers():
     return tiny_llama(num_hidden_layers=4)
 
 
-@pytest.mark.parametrize("enforce_eager", [None, False])   # False: decodes padded as for a CUDA graph
+@pytest.mark.parametrize("enforce_eager", [None, False])  # False: decodes padded as for a CUDA graph
 @pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
 def test_the_forward_pass_reads_nothing_back_from_the_device(four_layers, backend, enforce_eager):
     """Prefills, mixed steps and decodes over four layers: not one tensor becomes a Python number."""
-    llm = make_tiny_llm(four_layers, attention_backend=backend, enable_chunked_prefill=True,
-                        max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=enforce_eager)
+    llm = make_tiny_llm(
+        four_layers,
+        attention_backend=backend,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        enforce_eager=enforce_eager,
+    )
     calls = record_forward_read_backs(llm)
     outputs = llm.generate(random_prompts(3, seed=1, high=20), GREEDY, use_tqdm=False)
     assert all(len(out.outputs[0].token_ids) == 4 for out in outputs)
@@ -75,8 +82,9 @@ def test_the_recorder_sees_the_reference_read_back_its_lengths(four_layers):
     llm.engine.model.backend.decode = lambda *args: reference.decode_attention(*args[:-1])
     calls = record_forward_read_backs(llm)
     forward = llm.engine.model.forward
-    llm.engine.model.forward = lambda *args, **kwargs: (decode_steps.append(args[2].num_decode_tokens > 0)
-                                                        or forward(*args, **kwargs))
+    llm.engine.model.forward = lambda *args, **kwargs: (
+        decode_steps.append(args[2].num_decode_tokens > 0) or forward(*args, **kwargs)
+    )
     llm.generate(random_prompts(2, seed=2, high=10), GREEDY, use_tqdm=False)
     assert calls.count("__int__") == 4 * sum(decode_steps) > 0
 
@@ -90,6 +98,7 @@ def test_the_debug_switch_checks_each_step_once(four_layers, monkeypatch):
         def counted(*args, _name=name, _original=original):
             counts[_name] += 1
             return _original(*args)
+
         monkeypatch.setattr(paged.kernels.checks, name, counted)
     steps = []
     llm = make_tiny_llm(four_layers, attention_backend="cpu")
@@ -97,7 +106,7 @@ def test_the_debug_switch_checks_each_step_once(four_layers, monkeypatch):
     llm.engine.model.forward = lambda *args, **kwargs: steps.append(args[2]) or forward(*args, **kwargs)
 
     llm.generate(random_prompts(2, seed=3, high=10), GREEDY, use_tqdm=False)
-    assert counts == {"check_decode": 0, "check_prefill": 0}   # off by default
+    assert counts == {"check_decode": 0, "check_prefill": 0}  # off by default
     steps.clear()
     monkeypatch.setattr(model_module, "CHECK_KERNELS", True)
     llm.generate(random_prompts(2, seed=3, high=10), GREEDY, use_tqdm=False)

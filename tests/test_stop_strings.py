@@ -26,16 +26,19 @@ def llm(tiny_model):
 def greedy(llm):
     """A prompt, its 16 greedy tokens and their text."""
     prompt = random_prompts(1, seed=9)[0]
-    tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0].token_ids
+    tokens = (
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     return prompt, tokens, PairTokenizer().decode(tokens)
 
 
 def test_check_stop_strings_searches_where_a_stop_string_could_end():
-    assert check_stop_strings("abcdef", 2, ["cd"], False) is None              # ended before the new text
-    assert check_stop_strings("abcdef", 2, ["de"], False) == ("de", 3)           # spans old and new text
+    assert check_stop_strings("abcdef", 2, ["cd"], False) is None  # ended before the new text
+    assert check_stop_strings("abcdef", 2, ["de"], False) == ("de", 3)  # spans old and new text
     assert check_stop_strings("abcdef", 2, ["de"], True) == ("de", 5)
-    assert check_stop_strings("abcdef", 3, ["f", "d"], False) == ("f", 5)       # the first of the list found wins
+    assert check_stop_strings("abcdef", 3, ["f", "d"], False) == ("f", 5)  # the first of the list found wins
     assert check_stop_strings("abcdef", 0, ["f"], False) is None
     assert stop_hold_back(["abc", "de"], False) == 2 and stop_hold_back(["abc"], True) == 0
 
@@ -43,14 +46,15 @@ def test_check_stop_strings_searches_where_a_stop_string_could_end():
 @pytest.mark.parametrize("include", [False, True])
 def test_a_stop_string_across_two_tokens_ends_the_text(llm, greedy, include):
     prompt, tokens, text = greedy
-    stop = text[7:10]               # the second letter of token 3 and token 4's two: it spans two tokens
-    index = text.index(stop)        # its first appearance (it may begin earlier in the text)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
-                            include_stop_str_in_output=include)
+    stop = text[7:10]  # the second letter of token 3 and token 4's two: it spans two tokens
+    index = text.index(stop)  # its first appearance (it may begin earlier in the text)
+    params = SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=include
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:index + len(stop) if include else index]
-    assert out.token_ids == tokens[:(index + len(stop) + 1) // 2]   # up to the token that completes it
+    assert out.text == text[: index + len(stop) if include else index]
+    assert out.token_ids == tokens[: (index + len(stop) + 1) // 2]  # up to the token that completes it
     assert_pool_empty(llm)
 
 
@@ -63,7 +67,7 @@ def test_stop_strings_end_each_completion_on_its_own(llm, greedy):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["never seen", stop])
     plain = llm.generate([other], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
     stopped, unaffected = [o.outputs[0] for o in llm.generate([prompt, other], params, use_tqdm=False)]
-    assert (stopped.text, stopped.finish_reason) == (text[:text.index(stop)], "stop")
+    assert (stopped.text, stopped.finish_reason) == (text[: text.index(stop)], "stop")
     assert stop not in plain.outputs[0].text
     assert unaffected.token_ids == plain.outputs[0].token_ids and unaffected.finish_reason == "length"
     assert unaffected.stop_reason is None
@@ -72,8 +76,11 @@ def test_stop_strings_end_each_completion_on_its_own(llm, greedy):
 
 def test_stop_token_ids_give_their_id_as_stop_reason(llm, greedy):
     prompt, tokens, _ = greedy
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[tokens[5]],
-                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[tokens[5]], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", tokens[5])
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 TWO = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, n=2)  # forks, copy-on-write
-FP32_TIE = 1e-4     # a margin fp32 rounding can cross: 1e-4 of the largest logit
+FP32_TIE = 1e-4  # a margin fp32 rounding can cross: 1e-4 of the largest logit
 
 
 def run(llm: LLM) -> list[list[list[int]]]:
@@ -75,9 +75,9 @@ def test_gqa_4_to_1_with_a_kv_head_per_rank_and_each_pool_holds_its_heads():
         whole = single.engine.kv_cache
         assert all(i["bytes_per_token"] * 2 == whole.nbytes // (whole.num_blocks * whole.block_size) for i in info)
         assert all(i["num_blocks"] == single.engine.block_manager.num_blocks for i in info)
-        blocks = list(range(16))     # written by the run, identically scheduled on both engines
+        blocks = list(range(16))  # written by the run, identically scheduled on both engines
         for rank, pool in enumerate(llm.collective_rpc("read_blocks", (blocks,))):
-            torch.testing.assert_close(pool, whole.storage[:, :, blocks, :, rank:rank + 1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(pool, whole.storage[:, :, blocks, :, rank : rank + 1], atol=1e-4, rtol=1e-4)
     finally:
         llm.shutdown()
 
@@ -91,13 +91,22 @@ def test_fewer_kv_heads_than_ranks_are_copied():
 
 def test_sizes_that_do_not_split_the_model_are_refused():
     config = tiny_llama(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8).config
-    for size, words in [(4, "query heads"), (2, "KV heads"), (3, "intermediate_size"), (0, "positive"),
-                        (True, "positive")]:
+    for size, words in [
+        (4, "query heads"),
+        (2, "KV heads"),
+        (3, "intermediate_size"),
+        (0, "positive"),
+        (True, "positive"),
+    ]:
         with pytest.raises(ValueError, match=f"tensor_parallel_size.*{words}|{words}.*tensor_parallel_size"):
             check_tensor_parallel(config, size)
     with pytest.raises(ValueError, match="speculative_config"):
-        LLM(model=tiny_llama(), tensor_parallel_size=2, device="cpu",
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        LLM(
+            model=tiny_llama(),
+            tensor_parallel_size=2,
+            device="cpu",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
 
 
 def test_smollm2_on_three_ranks(smollm2, chat_prompts):
@@ -106,16 +115,18 @@ def test_smollm2_on_three_ranks(smollm2, chat_prompts):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the model's 9 query heads"):
         LLM(model="smollm2", tensor_parallel_size=2)
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    settings = dict(num_blocks=64, enable_prefix_caching=True, enable_chunked_prefill=True,
-                    max_num_batched_tokens=64)
-    expected = [o.outputs[0].token_ids for o in LLM(model="smollm2", **settings).generate(chat_prompts[:3], params,
-                                                                                          use_tqdm=False)]
+    settings = dict(num_blocks=64, enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(model="smollm2", **settings).generate(chat_prompts[:3], params, use_tqdm=False)
+    ]
     llm = LLM(model="smollm2", tensor_parallel_size=3, **settings)
     try:
         outputs = llm.generate(chat_prompts[:3], params, use_tqdm=False)
         for prompt, out, tokens in zip(chat_prompts, outputs, expected):
-            assert_near_tie("smollm2 tp=3", hf_model, out.prompt_token_ids, out.outputs[0].token_ids, tokens,
-                            relative=FP32_TIE)
+            assert_near_tie(
+                "smollm2 tp=3", hf_model, out.prompt_token_ids, out.outputs[0].token_ids, tokens, relative=FP32_TIE
+            )
         assert [i["kv_head_ids"] for i in llm.collective_rpc("kv_cache_info")] == [[0], [1], [2]]
     finally:
         llm.shutdown()
@@ -151,13 +162,13 @@ def test_a_step_cut_short_stops_the_engine_and_shutdown_ends_the_workers():
     forward = llm.engine.model.forward
 
     def fails_halfway(*args, **kwargs):
-        llm.engine.model.forward = forward      # once
+        llm.engine.model.forward = forward  # once
         raise KeyboardInterrupt
 
     llm.engine.model.forward = fails_halfway
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert_pool_empty(llm)       # the step was undone on rank 0
+    assert_pool_empty(llm)  # the step was undone on rank 0
     with pytest.raises(RuntimeError, match="a step was cut short"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.shutdown()
@@ -182,11 +193,12 @@ def test_two_nodes_on_loopback_started_as_torchrun_starts_them(tmp_path, monkeyp
         for name, value in {**world, "RANK": "0"}.items():
             monkeypatch.setenv(name, value)
         llm = LLM(model=str(folder), tensor_parallel_size=2, **ENGINE)
-        assert llm.engine.executor.processes == []      # nothing spawned: the launcher started rank 1
+        assert llm.engine.executor.processes == []  # nothing spawned: the launcher started rank 1
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         for prompt, out, want in zip(PROMPTS, got, expected):
-            assert_near_tie("two nodes", model, prompt, out.outputs[0].token_ids, want.outputs[0].token_ids,
-                            relative=FP32_TIE)
+            assert_near_tie(
+                "two nodes", model, prompt, out.outputs[0].token_ids, want.outputs[0].token_ids, relative=FP32_TIE
+            )
         llm.shutdown()
         assert worker.wait(timeout=30) == 0
     finally:
@@ -199,15 +211,26 @@ def test_the_server_on_two_ranks_answers_as_generate_and_reports_a_dead_rank():
     import httpx
 
     from paged.serving.api_server import build_app, serve_in_thread, serving_llm
-    llm, _ = serving_llm(tiny_llama(), tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8,
-                         device="cpu")
+
+    llm, _ = serving_llm(
+        tiny_llama(), tensor_parallel_size=2, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8, device="cpu"
+    )
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         with serve_in_thread(build_app(llm, "m")) as url:
             for prompt, tokens in zip(PROMPTS, expected):
-                answer = httpx.post(f"{url}/v1/completions", timeout=30, json={
-                    "model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}).json()
+                answer = httpx.post(
+                    f"{url}/v1/completions",
+                    timeout=30,
+                    json={
+                        "model": "m",
+                        "prompt": prompt,
+                        "max_tokens": 10,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                ).json()
                 assert answer["choices"][0]["token_ids"] == tokens
             assert httpx.get(f"{url}/health", timeout=30).status_code == 200
             worker = llm.engine.executor.processes[0]

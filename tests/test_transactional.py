@@ -79,6 +79,7 @@ def raise_on(monkeypatch, owner, name: str, error=KeyboardInterrupt, after: bool
 
 # ---- the engine's state, in plain values ----------------------------------------------------------------------
 
+
 def plain(value):
     """A comparable copy: generators by their state, tensors by their values, containers element by element."""
     if isinstance(value, torch.Generator):
@@ -100,20 +101,32 @@ def engine_state(engine) -> dict:
     """Everything a step may change, read field by field (not through the engine's own checkpoints)."""
     manager, scheduler = engine.block_manager, engine.scheduler
     state = {
-        "requests": {rid: {"seqs": {seq.seq_id: sequence_state(seq) for seq in request.seqs},
-                           "metrics": plain(dataclasses.asdict(request.metrics))}
-                     for rid, request in engine.requests.items()},
-        "queues": {name: [seq.seq_id for seq in getattr(scheduler, name)]
-                   for name in ("waiting", "running", "swapped")},
-        "counts": {"prefix_hit_tokens": scheduler.prefix_hit_tokens,
-                   "prefix_query_tokens": scheduler.prefix_query_tokens,
-                   "num_preemptions": scheduler.num_preemptions, "num_steps": engine.num_steps,
-                   "next_seq_id": engine.scheduler.next_seq_id, "spec": engine.spec_stats()},
-        "tables": plain(manager.block_tables), "block_hashes": plain(manager.block_hashes),
+        "requests": {
+            rid: {
+                "seqs": {seq.seq_id: sequence_state(seq) for seq in request.seqs},
+                "metrics": plain(dataclasses.asdict(request.metrics)),
+            }
+            for rid, request in engine.requests.items()
+        },
+        "queues": {
+            name: [seq.seq_id for seq in getattr(scheduler, name)] for name in ("waiting", "running", "swapped")
+        },
+        "counts": {
+            "prefix_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_query_tokens": scheduler.prefix_query_tokens,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_steps": engine.num_steps,
+            "next_seq_id": engine.scheduler.next_seq_id,
+            "spec": engine.spec_stats(),
+        },
+        "tables": plain(manager.block_tables),
+        "block_hashes": plain(manager.block_hashes),
         "cached": {block_hash: block.block_id for block_hash, block in manager.cached.items()},
         "names": [(block.block_hash, block.hash_key) for block in manager.blocks],
-        "free": [block.block_id for block in manager.free_queue], "pending": list(manager.pending_copies),
-        "generator": plain(engine.generator), "last_schedule": id(engine.last_schedule),
+        "free": [block.block_id for block in manager.free_queue],
+        "pending": list(manager.pending_copies),
+        "generator": plain(engine.generator),
+        "last_schedule": id(engine.last_schedule),
     }
     if engine.swap_space is not None:
         swap = engine.swap_space
@@ -123,12 +136,20 @@ def engine_state(engine) -> dict:
         state["tier"] = (dict(tier.entries), tier.stored_blocks, tier.hit_tokens, sorted(tier.tier.free_slots))
     if engine.speculator is not None and engine.speculator.drafter is not None:
         drafter = engine.speculator.drafter
-        state["drafts"] = (plain(drafter.block_manager.block_tables), dict(drafter.num_computed),
-                           [block.block_id for block in drafter.block_manager.free_queue])
+        state["drafts"] = (
+            plain(drafter.block_manager.block_tables),
+            dict(drafter.num_computed),
+            [block.block_id for block in drafter.block_manager.free_queue],
+        )
     if engine.lora is not None:
         slots = engine.lora.slots
-        state["lora"] = (engine.lora.num_steps, list(slots.slot_ids), list(slots.last_used), slots.num_loads,
-                         slots.num_evictions)
+        state["lora"] = (
+            engine.lora.num_steps,
+            list(slots.slot_ids),
+            list(slots.last_used),
+            slots.num_loads,
+            slots.num_evictions,
+        )
     return state
 
 
@@ -144,16 +165,20 @@ def assert_as_before(before: dict, after: dict, written: bool) -> None:
         assert after["requests"][rid]["seqs"].keys() == request["seqs"].keys()
         for seq_id, seq in request["seqs"].items():
             now = after["requests"][rid]["seqs"][seq_id]
-            if now != seq:   # recomputed: its blocks went to another sequence in the undone step
+            if now != seq:  # recomputed: its blocks went to another sequence in the undone step
                 assert seq["status"] in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
                 assert now["status"] is SequenceStatus.WAITING and now["num_computed_tokens"] == 0
-                assert {**now, "status": None, "num_computed_tokens": None, "num_preemptions": None} == \
-                    {**seq, "status": None, "num_computed_tokens": None, "num_preemptions": None}
+                assert {**now, "status": None, "num_computed_tokens": None, "num_preemptions": None} == {
+                    **seq,
+                    "status": None,
+                    "num_computed_tokens": None,
+                    "num_preemptions": None,
+                }
                 lost.add(seq_id)
     assert after["requests"].keys() == before["requests"].keys()
     queues = {name: [s for s in seqs if s not in lost] for name, seqs in before["queues"].items()}
-    assert after["queues"]["waiting"][len(lost):] == queues["waiting"]
-    assert set(after["queues"]["waiting"][:len(lost)]) == lost
+    assert after["queues"]["waiting"][len(lost) :] == queues["waiting"]
+    assert set(after["queues"]["waiting"][: len(lost)]) == lost
     assert (after["queues"]["running"], after["queues"]["swapped"]) == (queues["running"], queues["swapped"])
     assert after["tables"] == {s: table for s, table in before["tables"].items() if s not in lost}
     assert after["cached"].items() <= before["cached"].items()
@@ -198,6 +223,7 @@ def interrupted_step(engine, at: int, error=Injected) -> list:
 
 # ---- fixtures ----------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
@@ -220,10 +246,11 @@ def reference(roomy):
         if key not in known:
             known[key] = llm.generate(prompt, params, use_tqdm=False, lora_request=lora_request)[0].outputs[0].token_ids
         return known[key]
+
     return greedy
 
 
-HEADER = random_prompts(1, seed=40, low=12, high=13)[0]   # a shared system prompt: prefix-cache hits
+HEADER = random_prompts(1, seed=40, low=12, high=13)[0]  # a shared system prompt: prefix-cache hits
 
 
 def request_of(value: int, adapters) -> tuple:
@@ -231,41 +258,71 @@ def request_of(value: int, adapters) -> tuple:
     or sampled) and maybe an adapter."""
     body = random_prompts(1, seed=value, low=2, high=14)[0]
     prompt = (HEADER if value % 2 else []) + (body * 2 if value % 3 == 0 else body)
-    params = GREEDY_LOGPROBS if value % 4 == 1 else GREEDY if value % 4 else \
-        SamplingParams(n=2, temperature=1.0, seed=value, max_tokens=6, ignore_eos=True)
+    params = (
+        GREEDY_LOGPROBS
+        if value % 4 == 1
+        else GREEDY
+        if value % 4
+        else SamplingParams(n=2, temperature=1.0, seed=value, max_tokens=6, ignore_eos=True)
+    )
     lora_request = adapters[value % 2] if adapters and value % 5 < 2 else None
     return prompt, params, lora_request
 
 
-features = st.fixed_dictionaries({
-    "num_blocks": st.sampled_from([14, 20, 64]), "block_size": st.sampled_from([4, 8]),
-    "max_num_seqs": st.sampled_from([3, 8]), "enable_chunked_prefill": st.booleans(),
-    "max_num_batched_tokens": st.sampled_from([16, 40, 256]), "enable_prefix_caching": st.booleans(),
-    "preemption_mode": st.sampled_from(["recompute", "swap"]), "offload_tier": st.booleans(),
-    "speculation": st.sampled_from([None, "ngram", "draft"]), "lora": st.booleans(),
-})
-script = st.lists(st.tuples(st.sampled_from(["step", "interrupt", "interrupt", "add"]),
-                            st.integers(0, 999), st.booleans()), min_size=3, max_size=14)
+features = st.fixed_dictionaries(
+    {
+        "num_blocks": st.sampled_from([14, 20, 64]),
+        "block_size": st.sampled_from([4, 8]),
+        "max_num_seqs": st.sampled_from([3, 8]),
+        "enable_chunked_prefill": st.booleans(),
+        "max_num_batched_tokens": st.sampled_from([16, 40, 256]),
+        "enable_prefix_caching": st.booleans(),
+        "preemption_mode": st.sampled_from(["recompute", "swap"]),
+        "offload_tier": st.booleans(),
+        "speculation": st.sampled_from([None, "ngram", "draft"]),
+        "lora": st.booleans(),
+    }
+)
+script = st.lists(
+    st.tuples(st.sampled_from(["step", "interrupt", "interrupt", "add"]), st.integers(0, 999), st.booleans()),
+    min_size=3,
+    max_size=14,
+)
 
 
 def build(tiny_model, config) -> "paged.LLM":
-    kwargs = {key: config[key] for key in ("num_blocks", "block_size", "max_num_seqs", "enable_chunked_prefill",
-                                           "max_num_batched_tokens", "enable_prefix_caching", "preemption_mode")}
-    kwargs["swap_space"] = 0.00005                                    # a dozen slots: swaps, and falls back
+    kwargs = {
+        key: config[key]
+        for key in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "enable_chunked_prefill",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "preemption_mode",
+        )
+    }
+    kwargs["swap_space"] = 0.00005  # a dozen slots: swaps, and falls back
     if config["offload_tier"] and config["enable_prefix_caching"]:
-        kwargs["kv_offloading_size"] = 0.00003                        # a few slots: the tier evicts
+        kwargs["kv_offloading_size"] = 0.00003  # a few slots: the tier evicts
     if config["speculation"] == "ngram":
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 2}
     elif config["speculation"] == "draft":
-        kwargs["speculative_config"] = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 2,
-                                        "draft_layers": 1}
+        kwargs["speculative_config"] = {
+            "method": "draft_model",
+            "model": tiny_model,
+            "num_speculative_tokens": 2,
+            "draft_layers": 1,
+        }
     if config["lora"]:
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=4)
     return make_tiny_llm(tiny_model, **kwargs)
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(config=features, ops=script)
 def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, roomy, reference, config, ops):
     """Random features, random requests, and steps that raise at a random call anywhere inside paged/: each such
@@ -275,7 +332,7 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
     llm = build(tiny_model, config)
     engine = llm.engine
     added, finished = {}, {}
-    calls_per_step = 400   # calls in a whole step, measured as the test goes: interrupts land anywhere within
+    calls_per_step = 400  # calls in a whole step, measured as the test goes: interrupts land anywhere within
 
     def add(value):
         prompt, params, lora_request = request_of(value, adapters if config["lora"] else None)
@@ -302,7 +359,7 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
             calls_per_step = max(tracer.calls, 1)
         elif op == "interrupt" and engine.has_unfinished_requests():
             collect(interrupted_step(engine, 1 + value * calls_per_step // 1000, error))
-    for _ in range(300):   # a bound: a request that is never scheduled again fails here rather than hanging
+    for _ in range(300):  # a bound: a request that is never scheduled again fails here rather than hanging
         if not engine.has_unfinished_requests():
             break
         collect(engine.step())
@@ -312,7 +369,7 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
         completions = finished[request_id].outputs
         if params.greedy:
             assert completions[0].token_ids == reference(prompt, lora_request)
-        if params.logprobs is not None:   # one entry per token, kept or undone with it
+        if params.logprobs is not None:  # one entry per token, kept or undone with it
             assert [next(iter(entry)) for entry in completions[0].logprobs] == completions[0].token_ids
         else:
             assert [len(c.token_ids) for c in completions] == [params.max_tokens] * params.n
@@ -322,11 +379,13 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
         assert engine.swap_space.slots == {}
     _, value, keyboard = ops[0]
     prompts = [request_of(value + i, None)[0] for i in range(2)]
+
     def search():
         return [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, 2, max_tokens=3)]
+
     try:
         RaiseAtCall(1 + value * 20, KeyboardInterrupt if keyboard else Injected).run(search)
-    except (KeyboardInterrupt, Injected, ValueError):   # a ValueError: the pool cannot hold the beams
+    except (KeyboardInterrupt, Injected, ValueError):  # a ValueError: the pool cannot hold the beams
         pass
     assert engine.requests == {}
     assert_pool_empty(llm)
@@ -339,8 +398,8 @@ def test_an_exception_anywhere_in_a_step_changes_nothing(tiny_model, adapters, r
 
 # ---- one test per way a step used to come apart -----------------------------------------------------------------
 
-def test_an_interrupt_while_scheduling_leaves_no_cache_entry_for_unwritten_blocks(tiny_model, reference,
-                                                                                   monkeypatch):
+
+def test_an_interrupt_while_scheduling_leaves_no_cache_entry_for_unwritten_blocks(tiny_model, reference, monkeypatch):
     """The scheduler names a prompt's full blocks in the prefix cache as it schedules them; interrupted before
     the forward pass, those names must go, or a later prompt would read K/V nobody wrote."""
     llm = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True)
@@ -369,8 +428,9 @@ def test_an_interrupt_while_scheduling_leaves_no_cache_entry_for_unwritten_block
 def test_an_interrupt_after_a_swap_out_was_planned_swaps_nothing(tiny_model, reference, monkeypatch):
     """The scheduler frees a victim's blocks and plans their copy to the swap tier; interrupted before the copy is
     made, the victim must not come back later from slots nobody wrote: it keeps its blocks, as before."""
-    llm = make_tiny_llm(tiny_model, num_blocks=12, block_size=8, preemption_mode="swap", swap_space=0.001,
-                        max_num_seqs=4)
+    llm = make_tiny_llm(
+        tiny_model, num_blocks=12, block_size=8, preemption_mode="swap", swap_space=0.001, max_num_seqs=4
+    )
     engine = llm.engine
     prompts = random_prompts(4, seed=7, low=20, high=21)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -396,8 +456,7 @@ def test_an_interrupt_after_a_swap_out_was_planned_swaps_nothing(tiny_model, ref
     assert engine.swap_space.slots == {}
 
 
-def test_an_interrupt_while_drafts_are_accepted_leaves_no_sequence_past_its_tokens(tiny_model, reference,
-                                                                                     monkeypatch):
+def test_an_interrupt_while_drafts_are_accepted_leaves_no_sequence_past_its_tokens(tiny_model, reference, monkeypatch):
     """Accepting drafts rolls a sequence back over the rejected ones and returns their blocks; interrupted half
     way, it must not be left counting K/V past its own tokens (it would never be scheduled again)."""
     config = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3, "draft_layers": 1}
@@ -410,13 +469,13 @@ def test_an_interrupt_while_drafts_are_accepted_leaves_no_sequence_past_its_toke
         if not engine.has_unfinished_requests():
             break
         before = engine_state(engine)
-        raise_on(monkeypatch, engine.block_manager, "truncate", error=Injected)   # inside _accept
+        raise_on(monkeypatch, engine.block_manager, "truncate", error=Injected)  # inside _accept
         try:
             outputs.update((o.request_id, o) for o in engine.step())
         except Injected:
             interrupted += 1
             assert_as_before(before, engine_state(engine), written=True)
-            assert engine_state(engine)["requests"] == before["requests"]   # no sequence was sent back
+            assert engine_state(engine)["requests"] == before["requests"]  # no sequence was sent back
             assert all(seq.num_computed_tokens < seq.num_tokens for seq in engine.scheduler.running)
             monkeypatch.undo()
             outputs.update((o.request_id, o) for o in engine.step())  # the same step, whole this time
@@ -426,8 +485,7 @@ def test_an_interrupt_while_drafts_are_accepted_leaves_no_sequence_past_its_toke
     assert_pool_empty(llm)
 
 
-def test_an_interrupted_beam_search_step_leaves_no_cache_entry_for_unwritten_blocks(tiny_model, reference,
-                                                                                     monkeypatch):
+def test_an_interrupted_beam_search_step_leaves_no_cache_entry_for_unwritten_blocks(tiny_model, reference, monkeypatch):
     """Beam search runs its own steps, each a transaction as LLMEngine.step: interrupted in its first schedule,
     it leaves neither blocks nor cache entries behind, and its beams are then those of a fresh engine."""
     prompts = [HEADER + random_prompts(1, seed=s, low=5, high=9)[0] for s in (3, 4)]
@@ -440,10 +498,12 @@ def test_an_interrupted_beam_search_step_leaves_no_cache_entry_for_unwritten_blo
     assert llm.engine.block_manager.cached == {} and llm.engine.requests == {}
     fresh = make_tiny_llm(tiny_model, num_blocks=64, enable_prefix_caching=True)
     beams = [[s.token_ids for s in out.sequences] for out in llm.beam_search(prompts, beam_width=2, max_tokens=4)]
-    assert beams == [[s.token_ids for s in out.sequences] for out in fresh.beam_search(prompts, beam_width=2,
-                                                                                         max_tokens=4)]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == \
-        [reference(p) for p in prompts]
+    assert beams == [
+        [s.token_ids for s in out.sequences] for out in fresh.beam_search(prompts, beam_width=2, max_tokens=4)
+    ]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [
+        reference(p) for p in prompts
+    ]
 
 
 class FlakyTokenizer:
@@ -477,8 +537,9 @@ def test_an_interrupt_while_detokenizing_loses_no_finished_request(tiny_model, r
         except KeyboardInterrupt:
             interrupted += 1
             assert_as_before(before, engine_state(engine), written=True)
-            assert engine_state(engine)["requests"] == before["requests"] and set(engine.requests) >= \
-                set(ids) - set(outputs)
+            assert engine_state(engine)["requests"] == before["requests"] and set(engine.requests) >= set(ids) - set(
+                outputs
+            )
     assert interrupted == 2 and sorted(outputs) == sorted(ids)
     for request_id, prompt in zip(ids, prompts):
         tokens = outputs[request_id].outputs[0].token_ids
@@ -490,18 +551,22 @@ def test_seeded_sampling_draws_the_same_after_an_interrupt(tiny_model, monkeypat
     """An interrupt after tokens were sampled puts every generator back: the run's completions equal an
     uninterrupted run's, token for token."""
     params = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=10, ignore_eos=True)
-    plain = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)   # draws from the engine's generator
+    plain = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)  # draws from the engine's generator
     prompts = random_prompts(2, seed=13, low=5, high=15)
 
     def run(interrupt: bool):
         engine = make_tiny_llm(tiny_model, num_blocks=64, seed=5).engine
-        ids = [engine.add_request(engine.make_request(prompts[0], params)),
-               engine.add_request(engine.make_request(prompts[1], plain))]
+        ids = [
+            engine.add_request(engine.make_request(prompts[0], params)),
+            engine.add_request(engine.make_request(prompts[1], plain)),
+        ]
         outputs, step = {}, 0
         while engine.has_unfinished_requests():
             step += 1
             if interrupt and step % 3 == 0:
-                raise_on(monkeypatch, engine.scheduler, "check_stop", error=Injected, at=2)  # after every token was drawn
+                raise_on(
+                    monkeypatch, engine.scheduler, "check_stop", error=Injected, at=2
+                )  # after every token was drawn
                 with pytest.raises(Injected):
                     engine.step()
                 monkeypatch.undo()
@@ -512,13 +577,21 @@ def test_seeded_sampling_draws_the_same_after_an_interrupt(tiny_model, monkeypat
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_a_failure_after_a_preemption_recomputes_the_victim_whose_blocks_were_overwritten(tiny_model, reference,
-                                                                                          preemption_mode):
+def test_a_failure_after_a_preemption_recomputes_the_victim_whose_blocks_were_overwritten(
+    tiny_model, reference, preemption_mode
+):
     """A step preempts a sequence, gives its blocks to another, and fails in the forward pass, which has written
     into them: the victim cannot have its blocks back as they were. It is recomputed; the blocks the step took
     lose their cached names; every other sequence is as before, and the outputs do not change."""
-    llm = make_tiny_llm(tiny_model, num_blocks=12, block_size=8, max_num_seqs=4, enable_prefix_caching=True,
-                        preemption_mode=preemption_mode, swap_space=0.001)
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=12,
+        block_size=8,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        preemption_mode=preemption_mode,
+        swap_space=0.001,
+    )
     engine = llm.engine
     prompts = random_prompts(4, seed=17, low=17, high=22)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -528,7 +601,7 @@ def test_a_failure_after_a_preemption_recomputes_the_victim_whose_blocks_were_ov
     def forward_failing_after_a_preemption(*args, **kwargs):
         if engine.last_schedule.preempted and not failing.done:
             failing.done = True
-            forward(*args, **kwargs)            # every layer writes its K/V, then the step fails
+            forward(*args, **kwargs)  # every layer writes its K/V, then the step fails
             raise Injected("after the forward pass")
         return forward(*args, **kwargs)
 

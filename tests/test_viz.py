@@ -33,7 +33,7 @@ from paged.viz import (
 def test_cell_fractions_and_memory_map():
     states = np.array([LIVE, LIVE, RESERVED, INTERNAL, FREE, FREE, EXTERNAL, EXTERNAL], dtype=np.int8)
     fractions = cell_fractions(states, 4)
-    assert fractions.tolist() == [[0, .5, .25, .25, 0], [.5, 0, 0, 0, .5]]
+    assert fractions.tolist() == [[0, 0.5, 0.25, 0.25, 0], [0.5, 0, 0, 0, 0.5]]
     page = memory_map_html(states, slots_per_cell=2, columns=2, title="tiny")
     assert page.count("<div style='background:") == 4 and "tiny" in page and "live 2, reserved 1, internal 1" in page
     with pytest.raises(ValueError, match="slots_per_cell"):
@@ -55,9 +55,9 @@ def test_memory_map_widget_scrubs_through_time():
 
 def test_chapter_01_series_and_plots():
     geometry = KVGeometry.llama3_70b()
-    assert request_bytes_series({"70B": geometry}, [2048])["70B"].tolist() == [640 * 2 ** 20]
-    intensity = decode_intensity_series(geometry, LLAMA3_70B_PARAMS, [1, 10 ** 6], [2048])[2048]
-    assert intensity[0] < 2 and intensity[1] < 295                 # memory-bound at any batch size
+    assert request_bytes_series({"70B": geometry}, [2048])["70B"].tolist() == [640 * 2**20]
+    intensity = decode_intensity_series(geometry, LLAMA3_70B_PARAMS, [1, 10**6], [2048])[2048]
+    assert intensity[0] < 2 and intensity[1] < 295  # memory-bound at any batch size
     plot_request_bytes({"70B": geometry})
     plot_decode_intensity(geometry, LLAMA3_70B_PARAMS)
 
@@ -69,8 +69,10 @@ def test_chapter_02_tables_and_plots():
     plot_utilisation_over_time(compare(sharegpt_trace(40), 4096, block_sizes=(16,)))
     plot_breakdown(summaries)
     plot_block_size_sweep({"sharegpt": summaries})
-    assert html_table([{"a": 0.5}], formats={"a": ".0%"}) == \
-        "<table><thead><tr><th>a</th></tr></thead><tbody><tr><td style='text-align:left'>50%</td></tr></tbody></table>"
+    assert (
+        html_table([{"a": 0.5}], formats={"a": ".0%"})
+        == "<table><thead><tr><th>a</th></tr></thead><tbody><tr><td style='text-align:left'>50%</td></tr></tbody></table>"
+    )
 
 
 def test_nothing_in_paged_imports_the_pictures():
@@ -80,6 +82,11 @@ def test_nothing_in_paged_imports_the_pictures():
         if package / "viz" in path.parents:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(name == "paged.viz" or name.startswith("paged.viz.") for name in names), path

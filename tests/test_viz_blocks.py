@@ -47,9 +47,9 @@ def table_ids(parsed: Blocks) -> dict[int, list[int]]:
 
 def test_tables_show_each_sequences_blocks_in_logical_order():
     manager = BlockManager(num_blocks=10, block_size=4)
-    manager.allocate(0, 5)   # blocks 0, 1
-    manager.allocate(1, 4)   # block 2
-    manager.allocate(0, 9)   # block 3: seq 0 is now scattered
+    manager.allocate(0, 5)  # blocks 0, 1
+    manager.allocate(1, 4)  # block 2
+    manager.allocate(0, 9)  # block 3: seq 0 is now scattered
     parsed = Blocks(snapshot_html(snapshot(manager, num_tokens={0: 9, 1: 4})))
     assert table_ids(parsed) == {0: [0, 1, 3], 1: [2]} == manager.block_tables
     assert [cell["data-logical"] for cell in parsed.rows[0]] == ["0", "1", "2"]
@@ -116,12 +116,17 @@ def test_replay_matches_a_block_manager_run_by_hand():
 def test_decode_script_grows_one_token_per_step_and_frees_every_block():
     requests = [(0, 5, 3), (1, 2, 4)]
     events = decode_script(requests)
-    assert events == [("allocate", 0, 5),
-                      ("allocate", 0, 6), ("allocate", 1, 2),
-                      ("allocate", 0, 7), ("allocate", 1, 3),
-                      ("free", 0), ("allocate", 1, 4),
-                      ("allocate", 1, 5),
-                      ("free", 1)]
+    assert events == [
+        ("allocate", 0, 5),
+        ("allocate", 0, 6),
+        ("allocate", 1, 2),
+        ("allocate", 0, 7),
+        ("allocate", 1, 3),
+        ("free", 0),
+        ("allocate", 1, 4),
+        ("allocate", 1, 5),
+        ("free", 1),
+    ]
     last = replay(4, 4, events)[-1]
     assert last.tables == {} and sorted(last.free_queue) == [0, 1, 2, 3]
 

@@ -22,9 +22,10 @@ class Blocks(HTMLParser):
 
 
 def test_a_handoff_moves_one_block_per_frame_into_other_block_ids():
-    frames = handoff_replay(prompt_len=20, block_size=8, num_blocks=10, block_bytes=1000,
-                            prefill_others=[8], decode_others=[24])
-    assert len(frames) == 1 + 3 + 1                        # prefilled, 3 blocks on the wire, done
+    frames = handoff_replay(
+        prompt_len=20, block_size=8, num_blocks=10, block_bytes=1000, prefill_others=[8], decode_others=[24]
+    )
+    assert len(frames) == 1 + 3 + 1  # prefilled, 3 blocks on the wire, done
     first, *moving, last = frames
     assert [first.prefill_pool.index(f"req:{i}") for i in range(3)] == [1, 2, 3]  # block 0 is the other sequence's
     assert all(state in (None, "other") for state in first.decode_pool)
@@ -41,7 +42,7 @@ def test_a_handoff_moves_one_block_per_frame_into_other_block_ids():
 def test_the_frame_html_draws_every_block_and_marks_the_one_in_flight():
     frames = handoff_replay(prompt_len=16, block_size=8, num_blocks=4, block_bytes=10)
     blocks = Blocks(handoff_frame_html(frames[1])).blocks
-    assert len(blocks) == 8                                # two pools of four
+    assert len(blocks) == 8  # two pools of four
     assert [b["data-state"] for b in blocks[4:]] == ["req:0", "reserved", "free", "free"]
     assert sum("outline" in b["style"] for b in blocks) == 2  # block 0 on both sides of the wire
     assert len(player_frames(handoff_player(frames))) == len(frames)

@@ -51,10 +51,12 @@ def test_segments_are_the_runs_of_equal_index():
 
 
 def test_token_indices_html_gives_every_token_its_slot_index():
-    requests = [{"request": "a", "adapter": "pirate", "tokens": ["What", " is"]},
-                {"request": "b", "adapter": None, "tokens": ["<x>"]},
-                {"request": "c", "adapter": "shout", "tokens": ["Hi"]},
-                {"request": "d", "adapter": "shout", "tokens": [" there"]}]
+    requests = [
+        {"request": "a", "adapter": "pirate", "tokens": ["What", " is"]},
+        {"request": "b", "adapter": None, "tokens": ["<x>"]},
+        {"request": "c", "adapter": "shout", "tokens": ["Hi"]},
+        {"request": "d", "adapter": "shout", "tokens": [" there"]},
+    ]
     slots = ["shout", None, "pirate"]
     tags = Tags(token_indices_html(requests, slots))
     tokens = tags.by_class["tok"]
@@ -62,7 +64,10 @@ def test_token_indices_html_gives_every_token_its_slot_index():
     assert [t["data-request"] for t in tokens] == ["a", "a", "b", "c", "d"]
     assert BASE_COLOUR in tokens[2]["style"] and tokens[0]["style"] != tokens[3]["style"]
     assert [(s["data-start"], s["data-end"], s["data-index"]) for s in tags.by_class["seg"]] == [
-        ("0", "2", "2"), ("2", "3", "-1"), ("3", "5", "0")]   # c and d share a segment: same adapter, side by side
+        ("0", "2", "2"),
+        ("2", "3", "-1"),
+        ("3", "5", "0"),
+    ]  # c and d share a segment: same adapter, side by side
     assert "<x>" in tags.text and "␣is" in tags.text and "5 tokens in this step" in tags.text
 
 
@@ -85,10 +90,9 @@ def test_slot_replay_follows_the_engine_least_recently_used_out(lora_requests):
     a, b, c = lora_requests["a"], lora_requests["b"], lora_requests["c"]
     llm = make_tiny_llm(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8)
     frames = slot_replay(llm, [1, 2, 3, 4, 5], [[a], [b], [a], [c], [b, c]])
-    assert [f.slots for f in frames] == [(None, None), ("a", None), ("a", "b"), ("a", "b"), ("a", "c"),
-                                        ("b", "c")]
+    assert [f.slots for f in frames] == [(None, None), ("a", None), ("a", "b"), ("a", "b"), ("a", "c"), ("b", "c")]
     assert frames[3].loaded == () and "already in a slot" in frames[3].caption
-    assert frames[4].evicted == ("b",) and frames[4].loaded == ("c",)   # b was last used by batch 2, a by batch 3
+    assert frames[4].evicted == ("b",) and frames[4].loaded == ("c",)  # b was last used by batch 2, a by batch 3
     assert frames[5].evicted == ("a",) and frames[5].wanted == ("b", "c")
     assert frames[-1].registry == ("a", "b", "c")
     assert llm.lora_stats()["num_loads"] == sum(len(f.loaded) for f in frames) == 4
@@ -100,7 +104,10 @@ def test_slot_html_marks_resident_wanted_and_loaded_adapters():
     tags = Tags(slot_snapshot_html(frame))
     assert [s["data-adapter"] for s in tags.by_class["slot"]] == ["c", "b"]
     assert {e["data-adapter"]: e["data-resident"] for e in tags.by_class["registry-entry"]} == {
-        "a": "0", "b": "1", "c": "1"}
+        "a": "0",
+        "b": "1",
+        "c": "1",
+    }
     assert "c (loaded)" in tags.text and "a evicted" in tags.text
     assert "3px solid" in tags.by_class["slot"][0]["style"] and "3px solid" not in tags.by_class["slot"][1]["style"]
 
@@ -118,14 +125,14 @@ def test_record_lora_step_lays_each_adapter_side_by_side(lora_requests):
     for prompt, request in [([5, 6, 7], b), ([8, 9], None), ([10, 11, 12, 13], a), ([14, 15], b)]:
         engine.add_request(engine.make_request(prompt, params, lora_request=request))
     laid_out, slots = record_lora_step(engine)
-    assert [row["adapter"] for row in laid_out] == [None, "a", "b", "b"]   # base first, then by adapter id
+    assert [row["adapter"] for row in laid_out] == [None, "a", "b", "b"]  # base first, then by adapter id
     assert [row["token_ids"] for row in laid_out] == [[8, 9], [10, 11, 12, 13], [5, 6, 7], [14, 15]]
     assert sorted(s for s in slots if s) == ["a", "b"]
-    assert "prepare_step" not in vars(engine.lora)   # the recorder is gone again
+    assert "prepare_step" not in vars(engine.lora)  # the recorder is gone again
 
 
 def test_memory_rows_set_one_base_plus_adapters_against_merged_copies():
-    rows = memory_rows(base_bytes=100 * 2 ** 20, adapter_bytes=2 ** 20, counts=[1, 10])
+    rows = memory_rows(base_bytes=100 * 2**20, adapter_bytes=2**20, counts=[1, 10])
     assert rows[0]["one base + N adapters (MiB)"] == 101 and rows[0]["N merged models (MiB)"] == 100
     assert rows[1]["one base + N adapters (MiB)"] == 110 and rows[1]["N merged models (MiB)"] == 1000
     assert rows[1]["ratio"] == pytest.approx(1000 / 110)
@@ -142,8 +149,10 @@ def test_plot_lora_update_draws_the_product_of_b_and_a():
 
 
 def test_batch_outputs_html_escapes_and_colours_by_adapter():
-    rows = [{"adapter": "json", "prompt": "Name <a> fruit", "text": '{"answer": "A & B"}'},
-            {"adapter": None, "prompt": "p", "text": "t"}]
+    rows = [
+        {"adapter": "json", "prompt": "Name <a> fruit", "text": '{"answer": "A & B"}'},
+        {"adapter": None, "prompt": "p", "text": "t"},
+    ]
     text = batch_outputs_html(rows, ["json"])
     assert "Name &lt;a&gt; fruit" in text and "{&quot;answer&quot;: &quot;A &amp; B&quot;}" in text
     assert adapter_colour("json", ["json"]) in text and BASE_COLOUR in text

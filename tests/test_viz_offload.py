@@ -35,12 +35,20 @@ class Cells(HTMLParser):
 
 @pytest.fixture(scope="module")
 def frames(tiny_model):
-    block_bytes = 4096                     # the tiny Llama's block of 8 tokens, both layers, K and V, fp32
+    block_bytes = 4096  # the tiny Llama's block of 8 tokens, both layers, K and V, fp32
     prompts = random_prompts(5, seed=13, low=26, high=27)
-    prompts[4] = prompts[0][:24] + [7, 7, 7]   # the first prompt's three full blocks, long after they left the pool
-    llm = make_tiny_llm(tiny_model, num_blocks=12, block_size=8, max_num_batched_tokens=32, max_num_seqs=3,
-                        preemption_mode="swap", swap_space=6 * block_bytes / 2**30, enable_prefix_caching=True,
-                        kv_offloading_size=16 * block_bytes / 2**30)
+    prompts[4] = prompts[0][:24] + [7, 7, 7]  # the first prompt's three full blocks, long after they left the pool
+    llm = make_tiny_llm(
+        tiny_model,
+        num_blocks=12,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=3,
+        preemption_mode="swap",
+        swap_space=6 * block_bytes / 2**30,
+        enable_prefix_caching=True,
+        kv_offloading_size=16 * block_bytes / 2**30,
+    )
     return llm, record_tier_frames(llm, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
 
 
@@ -68,7 +76,7 @@ def test_a_swap_out_frame_draws_the_blocks_in_the_swap_tier_and_frames_what_move
     swap_cells = [c for c in cells["swap"] if c["data-seq"] == str(victim)]
     assert {int(c["data-index"]) for c in swap_cells} == {slot for _, slot in frame.moved["swap out"]}
     assert all(c["data-moved"] == "swap out" for c in swap_cells)
-    assert not any(c["data-seq"] == str(victim) for c in cells["pool"])   # never in two places at once
+    assert not any(c["data-seq"] == str(victim) for c in cells["pool"])  # never in two places at once
     assert "swap out 4" in frame.caption
 
 

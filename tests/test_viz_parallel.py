@@ -28,7 +28,11 @@ def test_every_rank_holds_the_same_blocks_for_its_own_heads():
 def test_replicated_heads_are_numbered_copy_by_copy():
     layout = shared_table_layout(2, 4, TABLES, num_blocks=8)
     assert [(r["heads"][0]["head"], r["heads"][0]["copy"], r["heads"][0]["copies"]) for r in layout] == [
-        (0, 1, 2), (0, 2, 2), (1, 1, 2), (1, 2, 2)]
+        (0, 1, 2),
+        (0, 2, 2),
+        (1, 1, 2),
+        (1, 2, 2),
+    ]
     with pytest.raises(ValueError, match="outside a pool of 4 blocks"):
         shared_table_layout(2, 2, TABLES, num_blocks=4)
 
@@ -38,7 +42,7 @@ def test_the_drawing_names_every_rank_and_head():
     texts = {t.get_text() for t in fig.axes[0].texts}
     assert {f"rank {r}: its pool" for r in range(4)} <= texts
     assert {"KV head 0 (copy 1 of 2)", "KV head 1 (copy 2 of 2)", "seq 0", "seq 1"} <= texts
-    assert len(fig.axes[0].patches) == 5 + 4 * 8                            # table cells, then a row per rank
+    assert len(fig.axes[0].patches) == 5 + 4 * 8  # table cells, then a row per rank
     plt.close(fig)
 
 
@@ -55,12 +59,14 @@ def test_plot_all_reduce_draws_points_the_line_and_the_marks():
 def test_plot_tp_step_time_stacks_the_big_model_and_relates_the_small_one():
     big = {"label": "Llama-3-70B", "rows": [tp_step_seconds(LLAMA3_70B, n, H100_NVLINK, 64) for n in (1, 2, 4, 8)]}
     cores = Link("cores", 10e9, 2e9, 2e-4, shared_memory=True)
-    small = {"H100s": [tp_step_seconds(SMOLLM2, n, H100_NVLINK, 64) for n in (1, 3, 9)],
-             "cores": [tp_step_seconds(SMOLLM2, n, cores, 32, 4) for n in (1, 2)]}
+    small = {
+        "H100s": [tp_step_seconds(SMOLLM2, n, H100_NVLINK, 64) for n in (1, 3, 9)],
+        "cores": [tp_step_seconds(SMOLLM2, n, cores, 32, 4) for n in (1, 2)],
+    }
     fig = plot_tp_step_time(big, small, does_not_fit={1})
     left, right = fig.axes
     assert len(left.patches) == 2 * 4 and left.get_title() == "Llama-3-70B"
     assert "does not fit" in left.get_xticklabels()[0].get_text()
-    assert [line.get_ydata()[0] for line in right.lines[:2]] == [1, 1]     # each line starts at one device
-    assert right.lines[0].get_ydata()[-1] > 1                               # SmolLM2 is slower split
+    assert [line.get_ydata()[0] for line in right.lines[:2]] == [1, 1]  # each line starts at one device
+    assert right.lines[0].get_ydata()[-1] > 1  # SmolLM2 is slower split
     plt.close(fig)

@@ -54,9 +54,16 @@ def test_hash_chain_html_draws_one_named_cell_per_block_with_its_text():
 
 def eviction_script(block_size: int = 4) -> list[tuple]:
     a, b, c = list(range(1, 13)), list(range(101, 113)), list(range(201, 209))
-    return [("prefill", 0, a), ("prefill", 1, b), ("prefill", 2, c), ("free", 0), ("free", 1), ("free", 2),
-            ("prefill", 3, a[:8] + [55, 56, 57, 58]),  # shares a's first two blocks
-            ("prefill", 4, list(range(301, 317)))]    # needs four fresh blocks
+    return [
+        ("prefill", 0, a),
+        ("prefill", 1, b),
+        ("prefill", 2, c),
+        ("free", 0),
+        ("free", 1),
+        ("free", 2),
+        ("prefill", 3, a[:8] + [55, 56, 57, 58]),  # shares a's first two blocks
+        ("prefill", 4, list(range(301, 317))),
+    ]  # needs four fresh blocks
 
 
 def test_replay_evicts_from_the_head_of_the_free_queue_and_never_a_held_block():
@@ -112,12 +119,14 @@ def test_scheduled_prefills_and_engine_snapshot_follow_a_real_engine(tiny_model)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request(engine.make_request(prompt, params))
     engine.step()
-    assert scheduled_prefills(engine) == [{"request": "0", "prompt_tokens": 29, "cached_tokens": 0,
-                                           "computed_tokens": 29}]
+    assert scheduled_prefills(engine) == [
+        {"request": "0", "prompt_tokens": 29, "cached_tokens": 0, "computed_tokens": 29}
+    ]
     engine.add_request(engine.make_request(prompt[:20] + [7, 7, 7], params))
     engine.step()  # a decode for request 0 and the second prompt after two cached blocks of 8
-    assert scheduled_prefills(engine) == [{"request": "1", "prompt_tokens": 23, "cached_tokens": 16,
-                                           "computed_tokens": 7}]
+    assert scheduled_prefills(engine) == [
+        {"request": "1", "prompt_tokens": 23, "cached_tokens": 16, "computed_tokens": 7}
+    ]
     snap = engine_cache_snapshot(engine)
     assert snap.cached == {block.block_id for block in engine.block_manager.cached.values()}
     first, second = snap.pool.tables.values()

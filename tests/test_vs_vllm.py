@@ -19,8 +19,13 @@ def vs_vllm(monkeypatch):
 
 
 def row(workload, dtype, threads, tok_s):
-    return {"workload": workload, "dtype": dtype, "threads": threads, "paged": {"tok_s": tok_s},
-            "vllm": {"tok_s": 1.0, "versions": {"vllm": "test"}}}
+    return {
+        "workload": workload,
+        "dtype": dtype,
+        "threads": threads,
+        "paged": {"tok_s": tok_s},
+        "vllm": {"tok_s": 1.0, "versions": {"vllm": "test"}},
+    }
 
 
 def test_a_run_replaces_what_it_measured_again_and_keeps_the_rest_in_matrix_order(vs_vllm, tmp_path, monkeypatch):
@@ -36,7 +41,7 @@ def test_a_run_replaces_what_it_measured_again_and_keeps_the_rest_in_matrix_orde
     found = [(r["workload"], r["dtype"], r["threads"], r["paged"]["tok_s"]) for r in saved["configurations"]]
     assert found == [("fixed", "float32", 1, 40.0), ("fixed", "bfloat16", 2, 20.0), ("steady", "float32", 1, 30.0)]
     kept = saved["configurations"][1]
-    assert kept == first[0]                                    # its own command, date and commit, as measured
+    assert kept == first[0]  # its own command, date and commit, as measured
     assert kept["command"].endswith("--workloads steady")
     assert saved["configurations"][0]["command"].endswith("--workloads fixed")
     assert all(r["commit"] for r in saved["configurations"])
@@ -60,15 +65,17 @@ def test_another_cpus_section_is_kept_as_it_was(vs_vllm, tmp_path):
 @pytest.mark.parametrize("budget", [None, 8])
 def test_the_ceiling_gets_every_token_the_engine_computed_and_every_row_it_sampled(vs_vllm, tiny_model, budget):
     from throughput import record_steps
+
     chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=budget, max_num_seqs=4) if budget else {}
     llm = make_tiny_llm(tiny_model, **chunked)
     steps = []
     record_steps(llm.engine, steps)
     prompts, lengths = [list(range(10, 15)), list(range(20, 29))], [3, 1]
-    llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths],
-                 use_tqdm=False)
+    llm.generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths], use_tqdm=False
+    )
     # every prompt token once, and every output token but the last of each request (it is sampled, not computed)
     assert sum(tokens for tokens, _ in steps) == sum(map(len, prompts)) + sum(n - 1 for n in lengths)
-    assert sum(rows for _, rows in steps) == sum(lengths)        # one logits row for each token sampled
+    assert sum(rows for _, rows in steps) == sum(lengths)  # one logits row for each token sampled
     # whole prompts; or the 9-token prompt in chunks of what the budget leaves, its row in the step that ends it
     assert steps == ([(14, 2), (1, 1), (1, 1)] if budget is None else [(8, 1), (7, 2), (1, 1)])

@@ -41,10 +41,10 @@ from paged.analysis.traces import TraceRequest
 from paged.geometry import blocks_for_tokens
 
 NAIVE_POLICIES = ("max", "pow2", "oracle")
-PAPER_ORCA_USAGE = {"max": 0.204, "pow2": 0.268, "oracle": 0.382}    # token states / KV memory, paper Fig. 2
+PAPER_ORCA_USAGE = {"max": 0.204, "pow2": 0.268, "oracle": 0.382}  # token states / KV memory, paper Fig. 2
 PAPER_VLLM_USAGE = 0.963
 
-FREE, LIVE, RESERVED, INTERNAL, EXTERNAL = range(5)        # slot states, in the order of Breakdown's fields
+FREE, LIVE, RESERVED, INTERNAL, EXTERNAL = range(5)  # slot states, in the order of Breakdown's fields
 STATE_NAMES = ("free", "live", "reserved", "internal", "external")
 
 
@@ -64,7 +64,7 @@ class FirstFitArena:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.holes = [(0, capacity)]         # (start, length), sorted by start, never adjacent (coalesced)
+        self.holes = [(0, capacity)]  # (start, length), sorted by start, never adjacent (coalesced)
 
     def allocate(self, size: int) -> int | None:
         """Start address of a new slab of `size` slots, or None when no single hole is large enough."""
@@ -80,9 +80,9 @@ class FirstFitArena:
     def free(self, start: int, size: int) -> None:
         """Return a slab; merge it with the holes on either side."""
         i = bisect.bisect(self.holes, (start, size))
-        if i < len(self.holes) and start + size == self.holes[i][0]:           # touches the next hole
+        if i < len(self.holes) and start + size == self.holes[i][0]:  # touches the next hole
             size += self.holes.pop(i)[1]
-        if i > 0 and self.holes[i - 1][0] + self.holes[i - 1][1] == start:     # touches the previous hole
+        if i > 0 and self.holes[i - 1][0] + self.holes[i - 1][1] == start:  # touches the previous hole
             start, size = self.holes[i - 1][0], self.holes[i - 1][1] + size
             i -= 1
             del self.holes[i]
@@ -102,10 +102,10 @@ class SimulatedRequest:
     """A request while the simulation holds it. Its memory is a list of slot addresses in token order."""
 
     request: TraceRequest
-    generated: int = 0                     # output tokens so far
-    slab_start: int = -1                   # naive: first slot of its slab
-    slab_size: int = 0                     # naive: slots in its slab
-    blocks: list[int] = field(default_factory=list)     # paged: physical block ids, in token order
+    generated: int = 0  # output tokens so far
+    slab_start: int = -1  # naive: first slot of its slab
+    slab_size: int = 0  # naive: slots in its slab
+    blocks: list[int] = field(default_factory=list)  # paged: physical block ids, in token order
 
     @property
     def length(self) -> int:
@@ -121,7 +121,7 @@ class NaiveSlabs:
     """One contiguous slab per request, sized by `policy` at admission, placed first-fit."""
 
     def __init__(self, capacity: int, policy: str, max_model_len: int):
-        reservation_tokens(policy, 1, max_model_len)          # validates the policy name
+        reservation_tokens(policy, 1, max_model_len)  # validates the policy name
         self.policy, self.max_model_len = policy, max_model_len
         self.arena = FirstFitArena(capacity)
         self.name = f"naive-{policy}"
@@ -138,7 +138,7 @@ class NaiveSlabs:
         return True
 
     def ensure_slot(self, seq: SimulatedRequest) -> bool:
-        return True                       # the slab already covers the final length
+        return True  # the slab already covers the final length
 
     def release(self, seq: SimulatedRequest) -> None:
         self.arena.free(seq.slab_start, seq.slab_size)
@@ -148,7 +148,7 @@ class NaiveSlabs:
         return seq.slab_size
 
     def addresses(self, seq: SimulatedRequest) -> np.ndarray:
-        return np.arange(seq.slab_start, seq.slab_start + seq.slab_size)     # [slab_size]
+        return np.arange(seq.slab_start, seq.slab_start + seq.slab_size)  # [slab_size]
 
     def can_place(self, slots: int) -> bool:
         return slots <= self.arena.largest_hole
@@ -164,7 +164,7 @@ class PagedBlocks:
     def __init__(self, capacity: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = capacity // block_size
-        self.free_blocks = deque(range(self.num_blocks))    # FIFO: a freed block goes to the back
+        self.free_blocks = deque(range(self.num_blocks))  # FIFO: a freed block goes to the back
         self.name = f"paged-{block_size}"
 
     def admission_slots(self, seq: SimulatedRequest) -> int:
@@ -194,8 +194,8 @@ class PagedBlocks:
         return len(seq.blocks) * self.block_size
 
     def addresses(self, seq: SimulatedRequest) -> np.ndarray:
-        offsets = np.arange(self.block_size)                                         # [block_size]
-        return (np.array(seq.blocks)[:, None] * self.block_size + offsets).ravel()   # [num_blocks * block_size]
+        offsets = np.arange(self.block_size)  # [block_size]
+        return (np.array(seq.blocks)[:, None] * self.block_size + offsets).ravel()  # [num_blocks * block_size]
 
     def can_place(self, slots: int) -> bool:
         return slots <= self.free_slots
@@ -245,18 +245,20 @@ def breakdown(allocator, running: list[SimulatedRequest], stranded: bool = False
         reserved += will_fill - seq.length
         internal += held - will_fill
     free = allocator.free_slots
-    return Breakdown(free=0 if stranded else free, live=live, reserved=reserved, internal=internal,
-                     external=free if stranded else 0)
+    return Breakdown(
+        free=0 if stranded else free, live=live, reserved=reserved, internal=internal, external=free if stranded else 0
+    )
 
 
 def slot_states(allocator, running: list[SimulatedRequest], capacity: int, stranded: bool) -> np.ndarray:
     """The state of every slot of the pool, as a memory map: int8 [capacity], codes FREE..EXTERNAL."""
     states = np.full(capacity, EXTERNAL if stranded else FREE, dtype=np.int8)
     for seq in running:
-        addresses = allocator.addresses(seq)                      # [allocated] physical slots in token order
+        addresses = allocator.addresses(seq)  # [allocated] physical slots in token order
         positions = np.arange(len(addresses))
-        states[addresses] = np.where(positions < seq.length, LIVE,
-                                     np.where(positions < seq.request.final_len, RESERVED, INTERNAL))
+        states[addresses] = np.where(
+            positions < seq.length, LIVE, np.where(positions < seq.request.final_len, RESERVED, INTERNAL)
+        )
     return states
 
 
@@ -264,16 +266,16 @@ def slot_states(allocator, running: list[SimulatedRequest], capacity: int, stran
 class SimulationResult:
     """Per-step columns of a simulation and, every `layout_every` steps, the pool's memory map."""
 
-    scheme: str                  # "naive-max", "naive-pow2", "naive-oracle" or "paged-<block_size>"
-    capacity: int                # token slots in the pool
-    steps: np.ndarray            # int [num_records] step index of each record
-    counts: np.ndarray           # int [num_records, 5] slots per state, columns FREE..EXTERNAL
-    running: np.ndarray          # int [num_records] requests holding memory
-    waiting: np.ndarray          # int [num_records] requests that have arrived and wait to be admitted
-    max_slack: np.ndarray        # int [num_records] the largest allocated - length of any running request
-    layouts: dict                # step -> int8 [capacity] slot states
+    scheme: str  # "naive-max", "naive-pow2", "naive-oracle" or "paged-<block_size>"
+    capacity: int  # token slots in the pool
+    steps: np.ndarray  # int [num_records] step index of each record
+    counts: np.ndarray  # int [num_records, 5] slots per state, columns FREE..EXTERNAL
+    running: np.ndarray  # int [num_records] requests holding memory
+    waiting: np.ndarray  # int [num_records] requests that have arrived and wait to be admitted
+    max_slack: np.ndarray  # int [num_records] the largest allocated - length of any running request
+    layouts: dict  # step -> int8 [capacity] slot states
     preemptions: int
-    recomputed_tokens: int       # tokens the preempted requests held, which a recompute prefills again
+    recomputed_tokens: int  # tokens the preempted requests held, which a recompute prefills again
     finished: int
     final_free_slots: int
 
@@ -297,27 +299,40 @@ class SimulationResult:
     def summary(self) -> dict:
         """Means over the loaded steps (over every step with a running request if none was loaded)."""
         mask = self.loaded if self.loaded.any() else self.running > 0
-        fractions = self.counts[mask].mean(0) / self.capacity                  # [5]
-        return {"scheme": self.scheme, "utilisation": float(self.utilisation[mask].mean()),
-                **{f"{name}_fraction": float(f) for name, f in zip(STATE_NAMES, fractions)},
-                "max_concurrency": int(self.running.max()), "mean_concurrency": float(self.running[mask].mean()),
-                "num_steps": int(self.steps[-1]) + 1, "loaded_steps": int(self.loaded.sum()),
-                "stranded_steps": int((self.counts[:, EXTERNAL] > 0).sum()), "preemptions": self.preemptions,
-                "recomputed_tokens": self.recomputed_tokens}
+        fractions = self.counts[mask].mean(0) / self.capacity  # [5]
+        return {
+            "scheme": self.scheme,
+            "utilisation": float(self.utilisation[mask].mean()),
+            **{f"{name}_fraction": float(f) for name, f in zip(STATE_NAMES, fractions)},
+            "max_concurrency": int(self.running.max()),
+            "mean_concurrency": float(self.running[mask].mean()),
+            "num_steps": int(self.steps[-1]) + 1,
+            "loaded_steps": int(self.loaded.sum()),
+            "stranded_steps": int((self.counts[:, EXTERNAL] > 0).sum()),
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
+        }
 
 
 def make_allocator(scheme, capacity: int, max_model_len: int):
     """scheme: a naive policy name ("max", "pow2", "oracle") or a paged block size (a power of two)."""
     if isinstance(scheme, str):
         return NaiveSlabs(capacity, scheme, max_model_len)
-    blocks_for_tokens(0, scheme)                                 # validates the block size
+    blocks_for_tokens(0, scheme)  # validates the block size
     if scheme > capacity:
         raise ValueError(f"block_size ({scheme}) must be <= capacity ({capacity} slots)")
     return PagedBlocks(capacity, scheme)
 
 
-def simulate(trace: list[TraceRequest], scheme, capacity: int, max_model_len: int = 2048, step_time: float = 0.05,
-             max_num_seqs: int | None = None, layout_every: int = 0) -> SimulationResult:
+def simulate(
+    trace: list[TraceRequest],
+    scheme,
+    capacity: int,
+    max_model_len: int = 2048,
+    step_time: float = 0.05,
+    max_num_seqs: int | None = None,
+    layout_every: int = 0,
+) -> SimulationResult:
     """Serve `trace` first come, first served, in a pool of `capacity` token slots, one decode step at a time.
 
     scheme: "max" | "pow2" | "oracle" (naive slabs) or a block size (paged).
@@ -338,28 +353,30 @@ def simulate(trace: list[TraceRequest], scheme, capacity: int, max_model_len: in
     allocator = make_allocator(scheme, capacity, max_model_len)
     for request in trace:
         if request.final_len > max_model_len:
-            raise ValueError(f"request {request.request_id} ends at {request.final_len} tokens, "
-                             f"more than max_model_len ({max_model_len})")
-        largest = SimulatedRequest(request, generated=request.output_len - 1)    # as it writes its last token
+            raise ValueError(
+                f"request {request.request_id} ends at {request.final_len} tokens, "
+                f"more than max_model_len ({max_model_len})"
+            )
+        largest = SimulatedRequest(request, generated=request.output_len - 1)  # as it writes its last token
         if allocator.admission_slots(largest) > capacity:
             raise ValueError(f"request {request.request_id} needs more than the pool's capacity ({capacity} slots)")
     pending = deque(sorted(trace, key=lambda r: r.arrival_time))
     waiting: deque[SimulatedRequest] = deque()
-    running: list[SimulatedRequest] = []               # in admission order: the last is preempted first
+    running: list[SimulatedRequest] = []  # in admission order: the last is preempted first
     rows, layouts, preemptions, recomputed, finished, step = [], {}, 0, 0, 0, 0
     while pending or waiting or running:
-        if not waiting and not running:                # idle: jump to the next arrival
+        if not waiting and not running:  # idle: jump to the next arrival
             step = max(step, int(np.ceil(pending[0].arrival_time / step_time)))
         while pending and pending[0].arrival_time <= step * step_time:
             waiting.append(SimulatedRequest(pending.popleft()))
         while waiting and (max_num_seqs is None or len(running) < max_num_seqs) and allocator.admit(waiting[0]):
             running.append(waiting.popleft())
         i = 0
-        while i < len(running):                        # oldest first: each writes one token
+        while i < len(running):  # oldest first: each writes one token
             if allocator.ensure_slot(running[i]):
                 running[i].generated += 1
                 i += 1
-            else:                                      # pool dry: preempt the newest, perhaps running[i] itself
+            else:  # pool dry: preempt the newest, perhaps running[i] itself
                 victim = running.pop()
                 allocator.release(victim)
                 waiting.appendleft(victim)
@@ -369,8 +386,19 @@ def simulate(trace: list[TraceRequest], scheme, capacity: int, max_model_len: in
         stranded = bool(waiting) and allocator.free_slots >= need and not allocator.can_place(need)
         counts = breakdown(allocator, running, stranded)
         slack = max((allocator.allocated(seq) - seq.length for seq in running), default=0)
-        rows.append((step, counts.free, counts.live, counts.reserved, counts.internal, counts.external,
-                     len(running), len(waiting), slack))
+        rows.append(
+            (
+                step,
+                counts.free,
+                counts.live,
+                counts.reserved,
+                counts.internal,
+                counts.external,
+                len(running),
+                len(waiting),
+                slack,
+            )
+        )
         if layout_every and step % layout_every == 0:
             layouts[step] = slot_states(allocator, running, capacity, stranded)
         for seq in running:
@@ -379,34 +407,45 @@ def simulate(trace: list[TraceRequest], scheme, capacity: int, max_model_len: in
                 finished += 1
         running = [seq for seq in running if not seq.done]
         step += 1
-    table = np.array(rows, dtype=np.int64).reshape(-1, 9)                   # [num_records, 9]
-    return SimulationResult(scheme=allocator.name, capacity=capacity, steps=table[:, 0], counts=table[:, 1:6],
-                            running=table[:, 6], waiting=table[:, 7], max_slack=table[:, 8], layouts=layouts,
-                            preemptions=preemptions, recomputed_tokens=recomputed, finished=finished, final_free_slots=allocator.free_slots)
+    table = np.array(rows, dtype=np.int64).reshape(-1, 9)  # [num_records, 9]
+    return SimulationResult(
+        scheme=allocator.name,
+        capacity=capacity,
+        steps=table[:, 0],
+        counts=table[:, 1:6],
+        running=table[:, 6],
+        waiting=table[:, 7],
+        max_slack=table[:, 8],
+        layouts=layouts,
+        preemptions=preemptions,
+        recomputed_tokens=recomputed,
+        finished=finished,
+        final_free_slots=allocator.free_slots,
+    )
 
 
-def compare(trace: list[TraceRequest], capacity: int, block_sizes=(8, 16, 32, 64, 128), max_model_len: int = 2048,
-            **kwargs) -> list[SimulationResult]:
+def compare(
+    trace: list[TraceRequest], capacity: int, block_sizes=(8, 16, 32, 64, 128), max_model_len: int = 2048, **kwargs
+) -> list[SimulationResult]:
     """The three naive policies, then paged allocation at each block size, on the same trace and pool."""
-    return [simulate(trace, scheme, capacity, max_model_len, **kwargs)
-            for scheme in (*NAIVE_POLICIES, *block_sizes)]
+    return [simulate(trace, scheme, capacity, max_model_len, **kwargs) for scheme in (*NAIVE_POLICIES, *block_sizes)]
 
 
 # (input_len, output_len, generated so far): the guide's four lengths, 120, 1,900, 60 and 800 tokens live (2,880),
 # each reserving 2,048 slots. The guide gives only those lengths; where each request ends (ours) splits the empty
 # slots into reserved and never written, not their sum.
 FOUR_REQUESTS = [
-    (100, 220, 20),      #   120 live, ends at   320
-    (900, 1100, 1000),   # 1,900 live, ends at 2,000
-    (40, 320, 20),       #    60 live, ends at   360
-    (300, 820, 500),     #   800 live, ends at 1,120
+    (100, 220, 20),  #   120 live, ends at   320
+    (900, 1100, 1000),  # 1,900 live, ends at 2,000
+    (40, 320, 20),  #    60 live, ends at   360
+    (300, 820, 500),  #   800 live, ends at 1,120
 ]
 
 
 @dataclass(frozen=True)
 class Snapshot:
     breakdown: Breakdown
-    states: np.ndarray           # int8 [capacity] the memory map
+    states: np.ndarray  # int8 [capacity] the memory map
 
 
 def four_request_example(block_size: int = 16, max_model_len: int = 2048) -> dict[str, Snapshot]:
@@ -418,13 +457,15 @@ def four_request_example(block_size: int = 16, max_model_len: int = 2048) -> dic
     """
     capacity = len(FOUR_REQUESTS) * max_model_len
     result = {}
-    for name, allocator in (("naive", NaiveSlabs(capacity, "max", max_model_len)),
-                            ("paged", PagedBlocks(capacity, block_size))):
+    for name, allocator in (
+        ("naive", NaiveSlabs(capacity, "max", max_model_len)),
+        ("paged", PagedBlocks(capacity, block_size)),
+    ):
         seqs = []
         for i, (n_in, n_out, n_gen) in enumerate(FOUR_REQUESTS):
             seq = SimulatedRequest(TraceRequest(i, n_in, n_out, 0.0), generated=n_gen - 1)
-            allocator.admit(seq)                 # holds room for the token it writes next ...
-            seq.generated += 1                   # ... which is its n_gen-th
+            allocator.admit(seq)  # holds room for the token it writes next ...
+            seq.generated += 1  # ... which is its n_gen-th
             seqs.append(seq)
         result[name] = Snapshot(breakdown(allocator, seqs), slot_states(allocator, seqs, capacity, stranded=False))
     return result

@@ -16,7 +16,7 @@ import torch
 from paged.engine.llm_engine import LLMEngine
 from paged.sampling_params import SamplingParams
 
-PARTS = ("schedule", "prepare", "forward", "sample", "finish")   # LLMEngine.StepTimes' fields, in step order
+PARTS = ("schedule", "prepare", "forward", "sample", "finish")  # LLMEngine.StepTimes' fields, in step order
 
 
 def step_bytes(engine: LLMEngine, context_tokens: int) -> int:
@@ -37,13 +37,15 @@ def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     # a prompt admitted early decodes while later ones are still computed: up to one token per prompt-filled step
     params = SamplingParams(temperature=temperature, max_tokens=steps + 2 + batch, ignore_eos=True)
     vocab = engine.model.vocab_size
-    ids = [engine.add_request(engine.make_request([(31 * b + 7 * t) % (vocab - 1) + 1 for t in range(prompt_len)],
-                                                  params))
-           for b in range(batch)]
+    ids = [
+        engine.add_request(engine.make_request([(31 * b + 7 * t) % (vocab - 1) + 1 for t in range(prompt_len)], params))
+        for b in range(batch)
+    ]
     try:
-        while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens
-                                              for seq in engine.scheduler.running):
-            engine.step()                                                    # the prompts
+        while engine.scheduler.waiting or any(
+            seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running
+        ):
+            engine.step()  # the prompts
         walls, parts, context = [], [], 0
         for step in range(steps):
             start = time.perf_counter()
@@ -51,12 +53,18 @@ def decode_step_times(engine: LLMEngine, batch: int, prompt_len: int, steps: int
             walls.append(time.perf_counter() - start)
             parts.append(engine.last_step_times)
             if len(engine.last_schedule.batch) != batch:
-                raise ValueError(f"a step decoded {len(engine.last_schedule.batch)} of {batch} sequences: the engine "
-                                 f"needs max_num_seqs >= {batch} and room for them in its pool")
+                raise ValueError(
+                    f"a step decoded {len(engine.last_schedule.batch)} of {batch} sequences: the engine "
+                    f"needs max_num_seqs >= {batch} and room for them in its pool"
+                )
             if step == steps // 2:
-                context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)   # read by this step
+                context = sum(seq.num_computed_tokens for seq in engine.scheduler.running)  # read by this step
     finally:
         for request_id in ids:
             engine.abort_request(request_id)
-    return {"batch": batch, "step_s": statistics.median(walls), "bytes": step_bytes(engine, context),
-            **{f"{part}_s": statistics.median(getattr(times, part) for times in parts) for part in PARTS}}
+    return {
+        "batch": batch,
+        "step_s": statistics.median(walls),
+        "bytes": step_bytes(engine, context),
+        **{f"{part}_s": statistics.median(getattr(times, part) for times in parts) for part in PARTS},
+    }

@@ -24,39 +24,42 @@ from paged.analysis.traces import ALPACA, SHAREGPT, make_trace
 from paged.engine.metrics import SLO, RequestRecord, percentiles, summarize
 
 PROFILES = {"sharegpt": SHAREGPT, "alpaca": ALPACA}
-TOKEN_ID_RANGE = (1000, 20000)   # random prompt ids from here: real words in any tokenizer of 32k+ entries
+TOKEN_ID_RANGE = (1000, 20000)  # random prompt ids from here: real words in any tokenizer of 32k+ entries
 
 
 @dataclass(frozen=True)
 class LoadRequest:
-    prompt: list[int]    # token ids
+    prompt: list[int]  # token ids
     max_tokens: int
 
 
 @dataclass
 class LoadResult:
-    records: list[RequestRecord]     # the requests that completed, in order of sending
-    duration: float                  # seconds from the first send to the last completion
-    failures: list[str]              # one message per request that failed
-    samples: list[dict] = field(default_factory=list)   # /metrics polled: {"t", "kv_usage", "running", "waiting"}
+    records: list[RequestRecord]  # the requests that completed, in order of sending
+    duration: float  # seconds from the first send to the last completion
+    failures: list[str]  # one message per request that failed
+    samples: list[dict] = field(default_factory=list)  # /metrics polled: {"t", "kv_usage", "running", "waiting"}
 
     def summary(self, slo: SLO | None = None) -> dict:
         """Throughputs, mean / median / p90 / p99 of TTFT, TPOT, ITL and e2e, and goodput under slo."""
         if not self.records:
             return {"requests": 0, "failures": len(self.failures)}
         row = summarize(self.records, self.duration, slo)
-        for name, values in (("ttft", [r.ttft for r in self.records]),
-                             ("tpot", [r.tpot for r in self.records if r.tpot is not None]),
-                             ("itl", [gap for r in self.records for gap in r.itl]),
-                             ("e2e", [r.e2e_latency for r in self.records])):
+        for name, values in (
+            ("ttft", [r.ttft for r in self.records]),
+            ("tpot", [r.tpot for r in self.records if r.tpot is not None]),
+            ("itl", [gap for r in self.records for gap in r.itl]),
+            ("e2e", [r.e2e_latency for r in self.records]),
+        ):
             row[f"{name}_mean"] = float(np.mean(values)) if values else float("nan")
             row.update({f"{name}_{p}": v for p, v in percentiles(values, (50, 90, 99)).items()})
         row["failures"] = len(self.failures)
         return row
 
 
-def make_requests(num_prompts: int, profile: str = "sharegpt", seed: int = 0, max_input_len: int = 1024,
-                  max_output_len: int = 1024) -> list[LoadRequest]:
+def make_requests(
+    num_prompts: int, profile: str = "sharegpt", seed: int = 0, max_input_len: int = 1024, max_output_len: int = 1024
+) -> list[LoadRequest]:
     """num_prompts requests with the profile's lengths (those of paged.analysis.traces for a 2,048-token model) clipped to
     max_input_len and max_output_len, prompts of random token ids; seeded."""
     if profile not in PROFILES:
@@ -66,15 +69,31 @@ def make_requests(num_prompts: int, profile: str = "sharegpt", seed: int = 0, ma
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     trace = make_trace(PROFILES[profile], num_prompts, seed)
     rng = np.random.default_rng(seed)
-    return [LoadRequest(rng.integers(*TOKEN_ID_RANGE, min(r.input_len, max_input_len)).tolist(),
-                        min(r.output_len, max_output_len)) for r in trace]
+    return [
+        LoadRequest(
+            rng.integers(*TOKEN_ID_RANGE, min(r.input_len, max_input_len)).tolist(), min(r.output_len, max_output_len)
+        )
+        for r in trace
+    ]
 
 
-async def stream_one(client: httpx.AsyncClient, model: str, request: LoadRequest, index: int, start: float,
-                     ) -> RequestRecord:
+async def stream_one(
+    client: httpx.AsyncClient,
+    model: str,
+    request: LoadRequest,
+    index: int,
+    start: float,
+) -> RequestRecord:
     """Send one streamed completion; returns its record in seconds since start (time.perf_counter)."""
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter() - start
     chunk_times, num_tokens = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -83,17 +102,25 @@ async def stream_one(client: httpx.AsyncClient, model: str, request: LoadRequest
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"].get("message"))
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):   # a step's tokens arrived (their text may wait for a whole character)
+            if chunk.get("choices"):  # a step's tokens arrived (their text may wait for a whole character)
                 chunk_times.append(time.perf_counter() - start)
     if not chunk_times:
         raise RuntimeError("the stream ended without a token")
-    return RequestRecord(str(index), len(request.prompt), num_tokens or len(chunk_times), sent, sent,
-                         chunk_times[0], chunk_times[-1], tuple(chunk_times))
+    return RequestRecord(
+        str(index),
+        len(request.prompt),
+        num_tokens or len(chunk_times),
+        sent,
+        sent,
+        chunk_times[0],
+        chunk_times[-1],
+        tuple(chunk_times),
+    )
 
 
 def metric_values(text: str) -> dict[str, float]:
@@ -110,22 +137,35 @@ async def poll_metrics(client: httpx.AsyncClient, start: float, interval: float,
     while True:
         try:
             values = metric_values((await client.get("/metrics")).text)
-            samples.append({"t": time.perf_counter() - start,
-                            "kv_usage": values.get("vllm:kv_cache_usage_perc", math.nan),
-                            "running": values.get("vllm:num_requests_running", math.nan),
-                            "waiting": values.get("vllm:num_requests_waiting", math.nan)})
+            samples.append(
+                {
+                    "t": time.perf_counter() - start,
+                    "kv_usage": values.get("vllm:kv_cache_usage_perc", math.nan),
+                    "running": values.get("vllm:num_requests_running", math.nan),
+                    "waiting": values.get("vllm:num_requests_waiting", math.nan),
+                }
+            )
         except httpx.HTTPError:
             pass
         await asyncio.sleep(interval)
 
 
-async def run_load(base_url: str, model: str, requests: list[LoadRequest], request_rate: float = math.inf,
-                   max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
-                   poll_interval: float | None = None, timeout: float = 600.0) -> LoadResult:
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: list[LoadRequest],
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+    poll_interval: float | None = None,
+    timeout: float = 600.0,
+) -> LoadResult:
     """Send every request, Poisson arrivals at request_rate (inf: all at once), at most max_concurrency in
     flight; with poll_interval, /metrics is sampled that often while the load runs."""
-    arrivals = poisson_arrivals(len(requests), request_rate, seed) if math.isfinite(request_rate) else \
-        np.zeros(len(requests))
+    arrivals = (
+        poisson_arrivals(len(requests), request_rate, seed) if math.isfinite(request_rate) else np.zeros(len(requests))
+    )
     limit = asyncio.Semaphore(max_concurrency or len(requests))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     connections = httpx.Limits(max_connections=(max_concurrency or len(requests)) + 1)

@@ -23,11 +23,11 @@ import torch
 from paged.geometry import H100_SXM_BF16_FLOPS, KVGeometry
 from paged.sampling_params import SamplingParams
 
-PCIE5_X16_BANDWIDTH = 64e9   # bytes/s one way, PCIe 5.0 x16 (32 GT/s x 16 lanes, before protocol overhead)
-PREFILL_MFU = 0.5            # share of peak FLOP/s of a large model's long prefill; a small model's reaches less
+PCIE5_X16_BANDWIDTH = 64e9  # bytes/s one way, PCIe 5.0 x16 (32 GT/s x 16 lanes, before protocol overhead)
+PREFILL_MFU = 0.5  # share of peak FLOP/s of a large model's long prefill; a small model's reaches less
 # Llama-3-70B's decoder layers: 80 x (q, o 8192^2; k, v 8192 x 1024; gate, up, down 8192 x 28672; two norms);
 # with the embedding and the untied head (128,256 x 8,192 each) and the final norm, 70.55e9 weights in all
-LLAMA3_70B_LAYER_WEIGHTS = 80 * (2 * 8192 ** 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192)
+LLAMA3_70B_LAYER_WEIGHTS = 80 * (2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192)
 
 
 def layer_weights(hf_model) -> int:
@@ -40,7 +40,7 @@ def prefill_flops(geometry: KVGeometry, num_params: float, num_tokens: int, num_
     """FLOPs of prefilling tokens num_cached..num_tokens after num_cached cached ones: the weights' 2 * P per token
     (num_params = P, the layer weights) plus causal attention over every (query, key) pair they compute."""
     d = geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
-    attention = 2 * (num_tokens ** 2 - num_cached ** 2) * d
+    attention = 2 * (num_tokens**2 - num_cached**2) * d
     return 2 * num_params * (num_tokens - num_cached) + attention
 
 
@@ -49,9 +49,14 @@ def gpu_swap_seconds(geometry: KVGeometry, num_tokens: int, bandwidth: float = P
     return 2 * geometry.request_bytes(num_tokens) / bandwidth
 
 
-def gpu_recompute_seconds(geometry: KVGeometry, num_params: float, num_tokens: int,
-                          flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU,
-                          cached_share: float = 0.0) -> float:
+def gpu_recompute_seconds(
+    geometry: KVGeometry,
+    num_params: float,
+    num_tokens: int,
+    flops: float = H100_SXM_BF16_FLOPS,
+    mfu: float = PREFILL_MFU,
+    cached_share: float = 0.0,
+) -> float:
     """A sequence's prefill done again at mfu of the GPU's peak; cached_share of its tokens (rounded down) are
     found in the prefix cache and not computed."""
     if not 0 <= cached_share <= 1:
@@ -60,12 +65,17 @@ def gpu_recompute_seconds(geometry: KVGeometry, num_params: float, num_tokens: i
     return prefill_flops(geometry, num_params, num_tokens, num_cached) / (flops * mfu)
 
 
-def gpu_crossover_tokens(geometry: KVGeometry, num_params: float, bandwidth: float = PCIE5_X16_BANDWIDTH,
-                         flops: float = H100_SXM_BF16_FLOPS, mfu: float = PREFILL_MFU) -> float:
+def gpu_crossover_tokens(
+    geometry: KVGeometry,
+    num_params: float,
+    bandwidth: float = PCIE5_X16_BANDWIDTH,
+    flops: float = H100_SXM_BF16_FLOPS,
+    mfu: float = PREFILL_MFU,
+) -> float:
     """The context length n at which swap and a full recompute cost the same in the GPU model, from
     2 n B / bandwidth = (2 P n + 2 n^2 L d) / (flops * mfu). Swap is cheaper beyond it; 0 when it is cheaper at
     every length (the link carries a token's K/V faster than the GPU computes its weights' share)."""
-    per_token_link = 2 * geometry.bytes_per_token * flops * mfu / bandwidth   # FLOPs the link time is worth
+    per_token_link = 2 * geometry.bytes_per_token * flops * mfu / bandwidth  # FLOPs the link time is worth
     attention = 2 * geometry.num_layers * geometry.num_attention_heads * geometry.head_dim
     return max(0.0, (per_token_link - 2 * num_params) / attention)
 
@@ -90,7 +100,7 @@ def measure_swap_and_recompute(llm, lengths, tiers, repeats: int = 1) -> dict:
         request = engine.make_request(prompt, SamplingParams(max_tokens=2, temperature=0.0))
         engine.add_request(request)
         start = time.perf_counter()
-        engine.step()                                            # the prefill: all n tokens' K/V, once
+        engine.step()  # the prefill: all n tokens' K/V, once
         results["recompute"].append(time.perf_counter() - start)
         table = manager.block_tables[request.seqs[0].seq_id]
         for name, tier in tiers.items():

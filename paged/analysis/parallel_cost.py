@@ -43,7 +43,7 @@ NVLINK4_H100_ONE_WAY = NVLINK4_H100_TOTAL / 2
 # The fixed cost of one all-reduce call (launch, synchronisation, the first hop). No datasheet states it; this round
 # figure is an assumption of the model, and chapter 14 checks that its conclusions hold from 5 to 50 µs.
 ASSUMED_NVLINK_LATENCY = 10e-6
-VLLM_GPU_MEMORY_UTILIZATION = 0.92   # vLLM's default share of a card (vllm/config/cache.py, 0.32.0; 0.9 before)
+VLLM_GPU_MEMORY_UTILIZATION = 0.92  # vLLM's default share of a card (vllm/config/cache.py, 0.32.0; 0.9 before)
 
 
 # the models -----------------------------------------------------------------------------------------------------------
@@ -60,11 +60,16 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     tied_embeddings: bool
-    num_params: float | None = None     # when given, used instead of counting the matrices
+    num_params: float | None = None  # when given, used instead of counting the matrices
 
     def geometry(self, element_bytes: int) -> KVGeometry:
-        return KVGeometry(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                          element_bytes=element_bytes, num_attention_heads=self.num_attention_heads)
+        return KVGeometry(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            element_bytes=element_bytes,
+            num_attention_heads=self.num_attention_heads,
+        )
 
     @property
     def params(self) -> float:
@@ -81,11 +86,29 @@ class ModelShape:
         return self.params * element_bytes
 
 
-SMOLLM2 = ModelShape("SmolLM2-135M", num_layers=30, hidden_size=576, num_attention_heads=9, num_kv_heads=3,
-                     head_dim=64, intermediate_size=1536, vocab_size=49152, tied_embeddings=True)
-LLAMA3_70B = ModelShape("Llama-3-70B", num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
-                        head_dim=128, intermediate_size=28672, vocab_size=128256, tied_embeddings=False,
-                        num_params=LLAMA3_70B_PARAMS)
+SMOLLM2 = ModelShape(
+    "SmolLM2-135M",
+    num_layers=30,
+    hidden_size=576,
+    num_attention_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tied_embeddings=True,
+)
+LLAMA3_70B = ModelShape(
+    "Llama-3-70B",
+    num_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=28672,
+    vocab_size=128256,
+    tied_embeddings=False,
+    num_params=LLAMA3_70B_PARAMS,
+)
 
 
 def _positive_int(name: str, value) -> int:
@@ -106,8 +129,9 @@ def kv_heads_by_rank(num_kv_heads: int, tp_size: int) -> list[tuple[int, ...]]:
     _positive_int("tp_size", tp_size)
     if tp_size >= num_kv_heads:
         return [(rank * num_kv_heads // tp_size,) for rank in range(tp_size)]
-    return [tuple(range(rank * num_kv_heads // tp_size, (rank + 1) * num_kv_heads // tp_size))
-            for rank in range(tp_size)]
+    return [
+        tuple(range(rank * num_kv_heads // tp_size, (rank + 1) * num_kv_heads // tp_size)) for rank in range(tp_size)
+    ]
 
 
 def kv_head_copies(num_kv_heads: int, tp_size: int) -> list[int]:
@@ -130,8 +154,14 @@ def vllm_accepts(num_attention_heads: int, num_kv_heads: int, tp_size: int) -> b
 def first_replicating_tp_size(num_attention_heads: int, num_kv_heads: int) -> int | None:
     """The smallest tensor-parallel size vLLM accepts at which a KV head is stored on more than one rank; None
     when no size it accepts replicates (the query heads run out first)."""
-    return next((n for n in range(num_kv_heads + 1, num_attention_heads + 1)
-                 if vllm_accepts(num_attention_heads, num_kv_heads, n)), None)
+    return next(
+        (
+            n
+            for n in range(num_kv_heads + 1, num_attention_heads + 1)
+            if vllm_accepts(num_attention_heads, num_kv_heads, n)
+        ),
+        None,
+    )
 
 
 # the pool on each rank ------------------------------------------------------------------------------------------------
@@ -140,9 +170,9 @@ class RankPool:
     """One rank's share of the KV cache."""
 
     rank: int
-    kv_head_ids: tuple[int, ...]     # global KV head ids this rank holds
-    bytes_per_token: int             # K and V of one token over all layers, this rank's heads only
-    block_bytes: int                 # one block over all layers, this rank's heads only
+    kv_head_ids: tuple[int, ...]  # global KV head ids this rank holds
+    bytes_per_token: int  # K and V of one token over all layers, this rank's heads only
+    block_bytes: int  # one block over all layers, this rank's heads only
 
 
 def rank_pools(geometry: KVGeometry, tp_size: int, block_size: int = 16) -> list[RankPool]:
@@ -150,8 +180,10 @@ def rank_pools(geometry: KVGeometry, tp_size: int, block_size: int = 16) -> list
     KVGeometry does the arithmetic, the heads do the cutting."""
     per_head_token = geometry.bytes_per_token // geometry.num_kv_heads
     per_head_block = geometry.block_bytes(block_size) // geometry.num_kv_heads
-    return [RankPool(rank, heads, per_head_token * len(heads), per_head_block * len(heads))
-            for rank, heads in enumerate(kv_heads_by_rank(geometry.num_kv_heads, tp_size))]
+    return [
+        RankPool(rank, heads, per_head_token * len(heads), per_head_block * len(heads))
+        for rank, heads in enumerate(kv_heads_by_rank(geometry.num_kv_heads, tp_size))
+    ]
 
 
 def bytes_per_token_per_rank(geometry: KVGeometry, tp_size: int) -> int:
@@ -182,11 +214,11 @@ class Deployment:
     card_bytes: float
     weight_bytes: float
     utilization: float
-    free_bytes_per_card: float      # card * utilization - weights / N
+    free_bytes_per_card: float  # card * utilization - weights / N
     bytes_per_token_per_rank: int
-    blocks: int                     # the pool's blocks: the same ids on every card
-    tokens: int                     # tokens the pool holds: each card holds its heads' share of every one of them
-    requests: int                   # requests of context_len tokens that fit at once
+    blocks: int  # the pool's blocks: the same ids on every card
+    tokens: int  # tokens the pool holds: each card holds its heads' share of every one of them
+    requests: int  # requests of context_len tokens that fit at once
     context_len: int
 
     @property
@@ -194,8 +226,15 @@ class Deployment:
         return self.free_bytes_per_card > 0
 
 
-def deployment(geometry: KVGeometry, weight_bytes: float, tp_size: int, card_bytes: float = H100_MEMORY,
-               utilization: float = 1.0, context_len: int = 2048, block_size: int = 16) -> Deployment:
+def deployment(
+    geometry: KVGeometry,
+    weight_bytes: float,
+    tp_size: int,
+    card_bytes: float = H100_MEMORY,
+    utilization: float = 1.0,
+    context_len: int = 2048,
+    block_size: int = 16,
+) -> Deployment:
     """The guide's arithmetic made per card: weights split N ways, the cache split N ways by heads.
 
     The tokens a card holds are the tokens the whole node holds: every card stores its heads' K and V of every
@@ -203,9 +242,18 @@ def deployment(geometry: KVGeometry, weight_bytes: float, tp_size: int, card_byt
     free = free_kv_bytes_per_card(card_bytes, weight_bytes, tp_size, utilization)
     blocks = blocks_per_rank(geometry, tp_size, max(free, 0), block_size)
     tokens = blocks * block_size
-    return Deployment(tp_size=tp_size, card_bytes=card_bytes, weight_bytes=weight_bytes, utilization=utilization,
-                      free_bytes_per_card=free, bytes_per_token_per_rank=bytes_per_token_per_rank(geometry, tp_size),
-                      blocks=blocks, tokens=tokens, requests=tokens // context_len, context_len=context_len)
+    return Deployment(
+        tp_size=tp_size,
+        card_bytes=card_bytes,
+        weight_bytes=weight_bytes,
+        utilization=utilization,
+        free_bytes_per_card=free,
+        bytes_per_token_per_rank=bytes_per_token_per_rank(geometry, tp_size),
+        blocks=blocks,
+        tokens=tokens,
+        requests=tokens // context_len,
+        context_len=context_len,
+    )
 
 
 # the all-reduce -------------------------------------------------------------------------------------------------------
@@ -215,8 +263,9 @@ def ring_all_reduce_bytes(num_bytes: float, world_size: int) -> float:
     return 2 * (_positive_int("world_size", world_size) - 1) / world_size * num_bytes
 
 
-def all_reduce_seconds(num_bytes: float, world_size: int, bandwidth: float,
-                       latency: float = ASSUMED_NVLINK_LATENCY) -> float:
+def all_reduce_seconds(
+    num_bytes: float, world_size: int, bandwidth: float, latency: float = ASSUMED_NVLINK_LATENCY
+) -> float:
     """The alpha-beta model: a fixed cost per call plus the ring's bytes over one direction of the link.
     Zero on one rank: there is nothing to add up."""
     if world_size == 1:
@@ -242,10 +291,10 @@ class Link:
     """What one tensor-parallel group runs on: each device's memory bandwidth and the link between them."""
 
     name: str
-    memory_bandwidth: float        # bytes/s one device reads its weights at
-    link_bandwidth: float          # bytes/s, one direction
-    link_latency: float            # seconds, fixed cost of one all-reduce
-    shared_memory: bool = False    # True: the ranks share one memory system (cores of one CPU), so splitting the
+    memory_bandwidth: float  # bytes/s one device reads its weights at
+    link_bandwidth: float  # bytes/s, one direction
+    link_latency: float  # seconds, fixed cost of one all-reduce
+    shared_memory: bool = False  # True: the ranks share one memory system (cores of one CPU), so splitting the
     #                                weights does not split the time to read them
 
 
@@ -260,22 +309,41 @@ def tp_step_seconds(model: ModelShape, tp_size: int, link: Link, num_tokens: int
     calls = all_reduces_per_step(model.num_layers)
     size = all_reduce_bytes(num_tokens, model.hidden_size, element_bytes)
     comm = calls * all_reduce_seconds(size, tp_size, link.link_bandwidth, link.link_latency)
-    return {"tp_size": tp_size, "weights_s": weights, "all_reduce_s": comm, "step_s": weights + comm,
-            "all_reduces": calls if tp_size > 1 else 0, "bytes_per_all_reduce": size}
+    return {
+        "tp_size": tp_size,
+        "weights_s": weights,
+        "all_reduce_s": comm,
+        "step_s": weights + comm,
+        "all_reduces": calls if tp_size > 1 else 0,
+        "bytes_per_all_reduce": size,
+    }
 
 
-def tp_prefill_seconds(model: ModelShape, tp_size: int, link: Link, num_tokens: int, element_bytes: int = 2,
-                       flops: float = H100_SXM_BF16_FLOPS, efficiency: float = 0.5) -> dict:
+def tp_prefill_seconds(
+    model: ModelShape,
+    tp_size: int,
+    link: Link,
+    num_tokens: int,
+    element_bytes: int = 2,
+    flops: float = H100_SXM_BF16_FLOPS,
+    efficiency: float = 0.5,
+) -> dict:
     """A compute-bound prefill of num_tokens at tensor-parallel size N: 2 FLOPs per weight per token, split N
     ways, at `efficiency` of `flops` per device (attention's own FLOPs left out); then the step's all-reduces, whose
     bytes grow with the tokens as the FLOPs do. Their ratio does not depend on num_tokens once the latency is
     small beside the bytes."""
     compute = 2 * model.params * num_tokens / tp_size / (flops * efficiency)
     size = all_reduce_bytes(num_tokens, model.hidden_size, element_bytes)
-    comm = all_reduces_per_step(model.num_layers) * all_reduce_seconds(size, tp_size, link.link_bandwidth,
-                                                                       link.link_latency)
-    return {"tp_size": tp_size, "compute_s": compute, "all_reduce_s": comm, "step_s": compute + comm,
-            "bytes_per_all_reduce": size}
+    comm = all_reduces_per_step(model.num_layers) * all_reduce_seconds(
+        size, tp_size, link.link_bandwidth, link.link_latency
+    )
+    return {
+        "tp_size": tp_size,
+        "compute_s": compute,
+        "all_reduce_s": comm,
+        "step_s": compute + comm,
+        "bytes_per_all_reduce": size,
+    }
 
 
 # measuring an all-reduce ----------------------------------------------------------------------------------------------
@@ -288,27 +356,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 def smollm2_sizes(decode_seqs: int = 32, prefill_chunk: int = 512, element_bytes: int = 4) -> dict[str, int]:
     """Bytes of one all-reduce in two SmolLM2 steps (hidden 576, fp32): a decode step of decode_seqs sequences
     (one token each) and a prefill chunk of prefill_chunk tokens."""
-    return {"decode step": all_reduce_bytes(decode_seqs, SMOLLM2.hidden_size, element_bytes),
-            "prefill chunk": all_reduce_bytes(prefill_chunk, SMOLLM2.hidden_size, element_bytes)}
+    return {
+        "decode step": all_reduce_bytes(decode_seqs, SMOLLM2.hidden_size, element_bytes),
+        "prefill chunk": all_reduce_bytes(prefill_chunk, SMOLLM2.hidden_size, element_bytes),
+    }
 
 
-WARMUP_CALLS = 3   # untimed all-reduces of every size before the timed ones
+WARMUP_CALLS = 3  # untimed all-reduces of every size before the timed ones
 
 
 def _all_reduce_rank(rank: int, world_size: int, addr: str, port: int, sizes, repeats: int, results) -> None:
     """One rank of measure_all_reduce, in a spawned process: join the group the torchrun way (environment
     variables), time each size `repeats` times after a barrier, check the sums, and rank 0 reports the fastest."""
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     try:
         fastest, correct = {}, True
-        for size in sizes:                                                       # connections and buffers set up
+        for size in sizes:  # connections and buffers set up
             for _ in range(WARMUP_CALLS):
                 dist.all_reduce(torch.ones(size // 4))
         for size in sizes:
-            tensor = torch.empty(size // 4, dtype=torch.float32)                 # [size / 4] fp32
+            tensor = torch.empty(size // 4, dtype=torch.float32)  # [size / 4] fp32
             times = []
             for _ in range(repeats):
                 tensor.fill_(rank + 1)
@@ -327,8 +398,8 @@ def _all_reduce_rank(rank: int, world_size: int, addr: str, port: int, sizes, re
 @dataclass(frozen=True)
 class AllReduceTimes:
     world_size: int
-    fastest: dict[int, float]     # bytes of the tensor -> seconds of the fastest all-reduce of that size
-    correct: bool                 # every rank ended with the sum of all ranks' tensors
+    fastest: dict[int, float]  # bytes of the tensor -> seconds of the fastest all-reduce of that size
+    correct: bool  # every rank ended with the sum of all ranks' tensors
 
 
 def measure_all_reduce(world_size: int = 2, sizes=None, repeats: int = 20, timeout: float = 120.0) -> AllReduceTimes:
@@ -349,9 +420,15 @@ def measure_all_reduce(world_size: int = 2, sizes=None, repeats: int = 20, timeo
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     port = free_port()
-    ranks = [context.Process(target=_all_reduce_rank, args=(rank, world_size, "127.0.0.1", port, sizes, repeats,
-                                                            results), daemon=True, name=f"all-reduce-rank-{rank}")
-             for rank in range(world_size)]
+    ranks = [
+        context.Process(
+            target=_all_reduce_rank,
+            args=(rank, world_size, "127.0.0.1", port, sizes, repeats, results),
+            daemon=True,
+            name=f"all-reduce-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + timeout
@@ -360,8 +437,10 @@ def measure_all_reduce(world_size: int = 2, sizes=None, repeats: int = 20, timeo
             process.join(max(deadline - time.monotonic(), 0))
         failed = [p for p in ranks if p.exitcode != 0]
         if failed:
-            raise RuntimeError(f"all-reduce rank(s) {[ranks.index(p) for p in failed]} failed or timed out "
-                               f"(exit codes {[p.exitcode for p in failed]})")
+            raise RuntimeError(
+                f"all-reduce rank(s) {[ranks.index(p) for p in failed]} failed or timed out "
+                f"(exit codes {[p.exitcode for p in failed]})"
+            )
         fastest, correct = results.get()
     finally:
         for process in ranks:
@@ -383,18 +462,20 @@ def fit_all_reduce(times: AllReduceTimes) -> tuple[float, float]:
     return float(latency), float(1 / slope)
 
 
-def measure_read_bandwidth(num_bytes: int = 256 * 2 ** 20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+def measure_read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Bytes per second `device` reads memory at, with the threads torch is allowed on a CPU: the memory bandwidth a
     rank's weight read sees. The fastest of three ways of reading num_bytes of fp32, each the median of `repeats`
     after a warm-up: a sum, a matrix-vector product (the BLAS a matmul uses) and a copy (which reads and writes
     num_bytes). How close each comes to the memory's rate depends on the vector instructions torch and the BLAS
     use, so no one of them is the rate everywhere."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)        # [num_bytes / 4]
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # [num_bytes / 4]
     matrix, vector = data.view(1024, -1), torch.ones(num_bytes // 4 // 1024, device=device)  # [1024, n], [n]
     copy = torch.empty_like(data)
-    reads = [(num_bytes, lambda: data.sum().item()),                              # .item(): the read has ended
-             (num_bytes, lambda: torch.mv(matrix, vector)[0].item()),
-             (2 * num_bytes, lambda: copy.copy_(data)[0].item())]                 # bytes moved, how
+    reads = [
+        (num_bytes, lambda: data.sum().item()),  # .item(): the read has ended
+        (num_bytes, lambda: torch.mv(matrix, vector)[0].item()),
+        (2 * num_bytes, lambda: copy.copy_(data)[0].item()),
+    ]  # bytes moved, how
     rates = []
     for moved, read in reads:
         read()
@@ -413,9 +494,18 @@ def launch_env(nnodes: int, nproc_per_node: int, master_addr: str, master_port: 
     LOCAL_RANK (which GPU of its node a process takes) and GROUP_RANK (torchrun's name for the node's index)."""
     _positive_int("nnodes", nnodes)
     _positive_int("nproc_per_node", nproc_per_node)
-    return [{"GROUP_RANK": node, "LOCAL_RANK": local, "RANK": node * nproc_per_node + local,
-             "WORLD_SIZE": nnodes * nproc_per_node, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port}
-            for node in range(nnodes) for local in range(nproc_per_node)]
+    return [
+        {
+            "GROUP_RANK": node,
+            "LOCAL_RANK": local,
+            "RANK": node * nproc_per_node + local,
+            "WORLD_SIZE": nnodes * nproc_per_node,
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": master_port,
+        }
+        for node in range(nnodes)
+        for local in range(nproc_per_node)
+    ]
 
 
 # data parallelism: N whole engines behind a router --------------------------------------------------------------------
@@ -425,17 +515,24 @@ class ParallelPlan:
 
     tp_size: int
     dp_size: int
-    fits: bool                    # the weights leave room for KV on every card
+    fits: bool  # the weights leave room for KV on every card
     kv_bytes_per_card: float
-    tokens_per_replica: int       # the most tokens one request (or one replica's batch) can hold
-    tokens_total: int             # all replicas together
-    requests_total: int           # requests of context_len tokens all replicas hold at once
-    all_reduces_per_step: int     # per replica's forward pass; 0 without tensor parallelism
-    weight_copies: int            # how many times the node stores the whole model
+    tokens_per_replica: int  # the most tokens one request (or one replica's batch) can hold
+    tokens_total: int  # all replicas together
+    requests_total: int  # requests of context_len tokens all replicas hold at once
+    all_reduces_per_step: int  # per replica's forward pass; 0 without tensor parallelism
+    weight_copies: int  # how many times the node stores the whole model
 
 
-def parallel_plans(model: ModelShape, num_cards: int, card_bytes: float = H100_MEMORY, element_bytes: int = 2,
-                   utilization: float = 1.0, context_len: int = 2048, block_size: int = 16) -> list[ParallelPlan]:
+def parallel_plans(
+    model: ModelShape,
+    num_cards: int,
+    card_bytes: float = H100_MEMORY,
+    element_bytes: int = 2,
+    utilization: float = 1.0,
+    context_len: int = 2048,
+    block_size: int = 16,
+) -> list[ParallelPlan]:
     """Every way to use num_cards cards as dp_size replicas of tp_size cards (tp_size * dp_size = num_cards),
     with tp_size among the sizes vLLM accepts for the model. Replicas share nothing: not weights, not KV, not
     the prefix cache."""
@@ -446,9 +543,17 @@ def parallel_plans(model: ModelShape, num_cards: int, card_bytes: float = H100_M
             continue
         d = deployment(geometry, weights, tp, card_bytes, utilization, context_len, block_size)
         dp = num_cards // tp
-        plans.append(ParallelPlan(tp_size=tp, dp_size=dp, fits=d.fits, kv_bytes_per_card=max(d.free_bytes_per_card, 0),
-                                  tokens_per_replica=d.tokens, tokens_total=dp * d.tokens,
-                                  requests_total=dp * d.requests,
-                                  all_reduces_per_step=all_reduces_per_step(model.num_layers) if tp > 1 else 0,
-                                  weight_copies=dp))
+        plans.append(
+            ParallelPlan(
+                tp_size=tp,
+                dp_size=dp,
+                fits=d.fits,
+                kv_bytes_per_card=max(d.free_bytes_per_card, 0),
+                tokens_per_replica=d.tokens,
+                tokens_total=dp * d.tokens,
+                requests_total=dp * d.requests,
+                all_reduces_per_step=all_reduces_per_step(model.num_layers) if tp > 1 else 0,
+                weight_copies=dp,
+            )
+        )
     return plans

@@ -52,8 +52,8 @@ class WallClock:
 
 @dataclass
 class ReplayResult:
-    requests: list[RequestRecord]                   # in trace order
-    outputs: list[RequestOutput]                    # in trace order
+    requests: list[RequestRecord]  # in trace order
+    outputs: list[RequestOutput]  # in trace order
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -70,7 +70,7 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int = 0) -> np.ndarra
     another rate gives the same arrivals stretched in time, so a rate sweep changes only the load."""
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
-    gaps = np.random.default_rng(seed).exponential(1.0, size=num_requests)    # [num_requests], mean 1
+    gaps = np.random.default_rng(seed).exponential(1.0, size=num_requests)  # [num_requests], mean 1
     return np.cumsum(gaps) / rate
 
 
@@ -79,9 +79,18 @@ def trace_prompt(request: TraceRequest, vocab_size: int, seed: int = 0) -> list[
     return np.random.default_rng([seed, request.request_id]).integers(0, vocab_size, request.input_len).tolist()
 
 
-def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = None, *, clock: str = "simulated",
-           step_cost: StepCost = SMOLLM2_CPU, static_batch_size: int | None = None,
-           prompts: list[str | list[int]] | None = None, ignore_eos: bool = True, seed: int = 0) -> ReplayResult:
+def replay(
+    engine: LLMEngine,
+    trace: list[TraceRequest],
+    rate: float | None = None,
+    *,
+    clock: str = "simulated",
+    step_cost: StepCost = SMOLLM2_CPU,
+    static_batch_size: int | None = None,
+    prompts: list[str | list[int]] | None = None,
+    ignore_eos: bool = True,
+    seed: int = 0,
+) -> ReplayResult:
     """Serve `trace` online and report every request and step.
 
     rate: Poisson arrivals at this many requests/s (`poisson_arrivals`, seeded); None keeps the trace's own times.
@@ -113,17 +122,17 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
                     prompt = prompts[i] if prompts is not None else trace_prompt(trace[i], vocab_size, seed)
                     params = SamplingParams(max_tokens=trace[i].output_len, temperature=0.0, ignore_eos=ignore_eos)
                     request = engine.make_request(prompt, params, request_id=str(trace[i].request_id))
-                    request.metrics.arrival_time = arrivals[i]   # it arrived then, even if we look only now
+                    request.metrics.arrival_time = arrivals[i]  # it arrived then, even if we look only now
                     engine.add_request(request)
                     live[request.request_id], token_times[request.request_id] = request, []
                     room -= 1
             if not engine.has_unfinished_requests():
-                now.wait_until(arrivals[pending[0]])          # idle: jump (or sleep) to the next arrival
+                now.wait_until(arrivals[pending[0]])  # idle: jump (or sleep) to the next arrival
                 continue
             start = now()
             finished = engine.step()
             step = read_step(engine, len(steps), start, 0.0, finished)
-            if clock == "simulated":   # the clock stood still inside step(); the step's tokens appear at its end
+            if clock == "simulated":  # the clock stood still inside step(); the step's tokens appear at its end
                 now.now += step_cost(step.num_batched_tokens, step.num_seqs, step.num_pairs)
             end = now()
             steps.append(replace(step, duration=end - start))
@@ -144,6 +153,8 @@ def replay(engine: LLMEngine, trace: list[TraceRequest], rate: float | None = No
     finally:
         engine.clock = saved_clock
     ids = [str(r.request_id) for r in trace]
-    records = [RequestRecord.from_output(outputs[i], token_times[i],
-                                         sum(seq.num_preemptions for seq in live[i].seqs)) for i in ids]
+    records = [
+        RequestRecord.from_output(outputs[i], token_times[i], sum(seq.num_preemptions for seq in live[i].seqs))
+        for i in ids
+    ]
     return ReplayResult(records, [outputs[i] for i in ids], steps)

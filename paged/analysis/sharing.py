@@ -56,6 +56,7 @@ PAPER_SAVINGS = {
 @dataclass(frozen=True)
 class BlockSteps:
     """Blocks held, summed over engine steps: with sharing (physical) and without (one copy per table entry)."""
+
     physical: int = 0
     logical: int = 0
 
@@ -132,24 +133,36 @@ def beam_search_saving(llm, prompts: list, output_lens: list[int], beam_width: i
 
 
 def _row(method: str, model: str, trace: str, n: int, usage: BlockSteps) -> dict:
-    return {"method": method, "model": model, "trace": trace, "n": n, "saving": usage.saving,
-            "paper": PAPER_SAVINGS.get((method, trace))}
+    return {
+        "method": method,
+        "model": model,
+        "trace": trace,
+        "n": n,
+        "saving": usage.saving,
+        "paper": PAPER_SAVINGS.get((method, trace)),
+    }
 
 
 def parallel_sampling_rows(traces: dict[str, list[TraceRequest]], widths=WIDTHS, block_size: int = 16) -> list[dict]:
     """One row of the savings table per (trace, n): every request of the trace, n completions each."""
-    return [_row("parallel sampling", "none (BlockManager)", name, n, parallel_sampling_saving(trace, n, block_size))
-            for name, trace in traces.items() for n in widths]
+    return [
+        _row("parallel sampling", "none (BlockManager)", name, n, parallel_sampling_saving(trace, n, block_size))
+        for name, trace in traces.items()
+        for n in widths
+    ]
 
 
-def beam_search_rows(llm, model: str, traces: dict[str, list[TraceRequest]], widths=WIDTHS,
-                     seed: int = 0) -> list[dict]:
+def beam_search_rows(
+    llm, model: str, traces: dict[str, list[TraceRequest]], widths=WIDTHS, seed: int = 0
+) -> list[dict]:
     """One row of the savings table per (trace, beam width): llm's beam search over random-token prompts with the
     trace's input lengths, each for its request's output length. model names llm's model in the table."""
     vocab_size = llm.engine.model.vocab_size
     rows = []
     for name, trace in traces.items():
         prompts, output_lens = trace_prompts(trace, vocab_size, seed), [r.output_len for r in trace]
-        rows += [_row("beam search", model, name, width, beam_search_saving(llm, prompts, output_lens, width))
-                 for width in widths]
+        rows += [
+            _row("beam search", model, name, width, beam_search_saving(llm, prompts, output_lens, width))
+            for width in widths
+        ]
     return rows

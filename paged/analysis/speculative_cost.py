@@ -43,7 +43,7 @@ def acceptance_of_rate(rate: float, num_drafts: int) -> float:
     if not 0 <= rate <= 1:
         raise ValueError(f"rate must be in [0, 1], got {rate}")
     low, high = 0.0, 1.0
-    for _ in range(60):                            # bisection: r grows with a
+    for _ in range(60):  # bisection: r grows with a
         middle = (low + high) / 2
         low, high = (middle, high) if rate_of_acceptance(middle, num_drafts) < rate else (low, middle)
     return (low + high) / 2
@@ -59,8 +59,9 @@ def break_even_acceptance(verify_cost: float, num_drafts: int) -> tuple[float, f
     return acceptance_of_rate(rate, num_drafts), rate
 
 
-def verify_speedup(step_cost, batch: int, num_drafts: int, acceptance: float, context: int,
-                   draft_cost: float = 0.0) -> float:
+def verify_speedup(
+    step_cost, batch: int, num_drafts: int, acceptance: float, context: int, draft_cost: float = 0.0
+) -> float:
     """Modelled speedup of speculation for `batch` sequences decoding at `context` tokens: E(a, k) tokens per
     verify step against one token per plain decode step, each step priced by step_cost(num_batched_tokens,
     num_seqs, num_pairs) (a paged.analysis.step_cost.StepCost). A verify scores k + 1 tokens per sequence; draft_cost is one
@@ -75,8 +76,9 @@ def verify_speedup(step_cost, batch: int, num_drafts: int, acceptance: float, co
     return expected_tokens(acceptance, num_drafts) * decode / (verify + num_drafts * draft_cost * decode)
 
 
-def crossover_batch(step_cost, num_drafts: int, acceptance: float, context: int, draft_cost: float = 0.0,
-                    max_batch: int = 4096) -> int | None:
+def crossover_batch(
+    step_cost, num_drafts: int, acceptance: float, context: int, draft_cost: float = 0.0, max_batch: int = 4096
+) -> int | None:
     """The smallest batch size at which speculation stops paying (modelled speedup below 1): 1 if it never pays,
     None if it still pays at max_batch."""
     for batch in range(1, max_batch + 1):
@@ -93,8 +95,10 @@ def measure_step(engine, batch: int, tokens_per_seq: int, context: int, repeats:
     manager, num_tokens = engine.block_manager, context + tokens_per_seq
     seq_ids = [-1 - i for i in range(batch)]  # engine sequences have ids >= 0
     if batch * cdiv(num_tokens, manager.block_size) > manager.num_free_blocks:
-        raise ValueError(f"batch ({batch}) sequences of {num_tokens} tokens need more than the pool's "
-                         f"{manager.num_free_blocks} free blocks; raise num_blocks")
+        raise ValueError(
+            f"batch ({batch}) sequences of {num_tokens} tokens need more than the pool's "
+            f"{manager.num_free_blocks} free blocks; raise num_blocks"
+        )
     token_ids = [0] * num_tokens
     try:
         for seq_id in seq_ids:

@@ -22,6 +22,7 @@ class StepCost:
     call, its block table, its logits); per_pair is attention proper: a chunk of n tokens ending at position e
     attends n*e - n*(n-1)/2 pairs, so a decode costs its context and a long prefill grows quadratically.
     """
+
     fixed: float
     per_token: float
     per_seq: float
@@ -36,7 +37,7 @@ class StepCost:
         counts), on relative errors (each row divided by its duration), so that a 40 ms decode step counts as
         much as a 2 s prefill."""
         features = np.array([[1, s.num_batched_tokens, s.num_seqs, s.num_pairs] for s in steps], dtype=float)
-        durations = np.array([s.duration for s in steps])                          # [num_steps]
+        durations = np.array([s.duration for s in steps])  # [num_steps]
         coef, *_ = np.linalg.lstsq(features / durations[:, None], np.ones_like(durations), rcond=None)
         return cls(*(float(c) for c in coef))
 

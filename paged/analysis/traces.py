@@ -21,9 +21,9 @@ import numpy as np
 @dataclass(frozen=True)
 class TraceRequest:
     request_id: int
-    input_len: int          # prompt tokens
-    output_len: int         # tokens the request will generate before it stops
-    arrival_time: float     # seconds from the start of the trace
+    input_len: int  # prompt tokens
+    output_len: int  # tokens the request will generate before it stops
+    arrival_time: float  # seconds from the start of the trace
 
     @property
     def final_len(self) -> int:
@@ -36,8 +36,8 @@ class LengthProfile:
     name: str
     mean_input: float
     mean_output: float
-    sigma_input: float      # log-space spread of the input length
-    sigma_output: float     # log-space spread of the output length
+    sigma_input: float  # log-space spread of the input length
+    sigma_output: float  # log-space spread of the output length
 
 
 SHAREGPT = LengthProfile("sharegpt", mean_input=161, mean_output=338, sigma_input=1.0, sigma_output=0.9)
@@ -56,7 +56,7 @@ def clipped_lognormal_mean(mu: float, sigma: float, low: float, high: float) -> 
     """
     a = (math.log(low) - mu) / sigma
     b = (math.log(high) - mu) / sigma
-    middle = math.exp(mu + sigma ** 2 / 2) * (_normal_cdf(b - sigma) - _normal_cdf(a - sigma))
+    middle = math.exp(mu + sigma**2 / 2) * (_normal_cdf(b - sigma) - _normal_cdf(a - sigma))
     return low * _normal_cdf(a) + middle + high * (1 - _normal_cdf(b))
 
 
@@ -74,11 +74,17 @@ def fit_lognormal_mu(mean: float, sigma: float, low: float, high: float) -> floa
 def _sample_lengths(rng: np.random.Generator, num: int, mean: float, sigma: float, high: int) -> np.ndarray:
     # Integer lengths in [1, high]. Limits of 0.5 and high + 0.5 make the continuous clip match rounding.
     mu = fit_lognormal_mu(mean, sigma, 0.5, high + 0.5)
-    return np.clip(np.rint(rng.lognormal(mu, sigma, size=num)), 1, high).astype(np.int64)   # [num]
+    return np.clip(np.rint(rng.lognormal(mu, sigma, size=num)), 1, high).astype(np.int64)  # [num]
 
 
-def make_trace(profile: LengthProfile, num_requests: int, seed: int = 0, max_model_len: int = 2048,
-               max_input_len: int | None = None, request_rate: float | None = None) -> list[TraceRequest]:
+def make_trace(
+    profile: LengthProfile,
+    num_requests: int,
+    seed: int = 0,
+    max_model_len: int = 2048,
+    max_input_len: int | None = None,
+    request_rate: float | None = None,
+) -> list[TraceRequest]:
     """num_requests requests with `profile`'s length statistics, deterministic for a seed.
 
     max_input_len defaults to max_model_len // 2; outputs are clipped to max_model_len - max_input_len.
@@ -95,14 +101,17 @@ def make_trace(profile: LengthProfile, num_requests: int, seed: int = 0, max_mod
         raise ValueError(f"request_rate must be > 0 requests/s (or None), got {request_rate}")
     rng = np.random.default_rng(seed)
     inputs = _sample_lengths(rng, num_requests, profile.mean_input, profile.sigma_input, max_input_len)
-    outputs = _sample_lengths(rng, num_requests, profile.mean_output, profile.sigma_output,
-                              max_model_len - max_input_len)
+    outputs = _sample_lengths(
+        rng, num_requests, profile.mean_output, profile.sigma_output, max_model_len - max_input_len
+    )
     if request_rate is None:
         arrivals = np.zeros(num_requests)
     else:
-        arrivals = np.cumsum(rng.exponential(1 / request_rate, size=num_requests))    # [num_requests] seconds
-    return [TraceRequest(i, int(n_in), int(n_out), float(t)) for i, (n_in, n_out, t) in
-            enumerate(zip(inputs, outputs, arrivals))]
+        arrivals = np.cumsum(rng.exponential(1 / request_rate, size=num_requests))  # [num_requests] seconds
+    return [
+        TraceRequest(i, int(n_in), int(n_out), float(t))
+        for i, (n_in, n_out, t) in enumerate(zip(inputs, outputs, arrivals))
+    ]
 
 
 def sharegpt_trace(num_requests: int, seed: int = 0, **kwargs) -> list[TraceRequest]:
@@ -119,6 +128,12 @@ def trace_stats(trace: list[TraceRequest]) -> dict:
     """Mean and max of input, output and final lengths."""
     inputs = np.array([r.input_len for r in trace])
     outputs = np.array([r.output_len for r in trace])
-    return {"num_requests": len(trace), "mean_input": float(inputs.mean()), "mean_output": float(outputs.mean()),
-            "max_input": int(inputs.max()), "max_output": int(outputs.max()),
-            "mean_final": float((inputs + outputs).mean()), "max_final": int((inputs + outputs).max())}
+    return {
+        "num_requests": len(trace),
+        "mean_input": float(inputs.mean()),
+        "mean_output": float(outputs.mean()),
+        "max_input": int(inputs.max()),
+        "max_output": int(outputs.max()),
+        "mean_final": float((inputs + outputs).mean()),
+        "max_final": int((inputs + outputs).max()),
+    }

@@ -41,8 +41,10 @@ def canonical_extra_key(extra_key):
         return int(extra_key)  # an IntEnum, say, pickles as its plain value
     if isinstance(extra_key, tuple):
         return tuple(canonical_extra_key(part) for part in extra_key)
-    raise ValueError(f"a prefix-cache extra key (Request.cache_key) must be None, an int, a str or a tuple of those, "
-                     f"got {extra_key!r} ({type(extra_key).__name__})")
+    raise ValueError(
+        f"a prefix-cache extra key (Request.cache_key) must be None, an int, a str or a tuple of those, "
+        f"got {extra_key!r} ({type(extra_key).__name__})"
+    )
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_key=None) -> bytes:
@@ -54,7 +56,8 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_key=None) -> b
 
 class AllocStatus(enum.Enum):
     """The admission check's answer for a request."""
-    OK = "ok"        # enough free blocks now
+
+    OK = "ok"  # enough free blocks now
     LATER = "later"  # the pool could hold it, but other sequences hold the blocks now
     NEVER = "never"  # more blocks than the whole pool has
 
@@ -67,8 +70,8 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: bytes | None = None   # set while the block is full and registered in the prefix cache
-    hash_key: tuple | None = None     # (parent hash, token ids, extra key): confirms a hash match
+    block_hash: bytes | None = None  # set while the block is full and registered in the prefix cache
+    hash_key: tuple | None = None  # (parent hash, token ids, extra key): confirms a hash match
     prev_free: "Block | None" = field(default=None, repr=False)
     next_free: "Block | None" = field(default=None, repr=False)
 
@@ -109,9 +112,9 @@ class FreeBlockQueue:
     def undo(self, log: list[tuple[Block, Block | None]]) -> None:
         """Undo the changes in log (closed: self.log is None), newest first: each block goes back where it was."""
         for block, prev in reversed(log):
-            if prev is None:       # it was appended: unlink it
+            if prev is None:  # it was appended: unlink it
                 self.remove(block)
-            else:                  # it was removed: link it again after the block that preceded it
+            else:  # it was removed: link it again after the block that preceded it
                 block.prev_free, block.next_free = prev, prev.next_free
                 prev.next_free.prev_free = prev.next_free = block
                 self.num_free += 1
@@ -127,12 +130,13 @@ class FreeBlockQueue:
 class BlockManagerState:
     """The manager as an engine step found it (BlockManager.checkpoint): copies of its tables, and the logs its
     changes go to while the step runs, undone newest first on restore."""
+
     block_tables: dict[int, list[int]]
     block_hashes: dict[int, list[bytes]]
     pending_copies: list[tuple[int, int]]
-    free_log: list[tuple[Block, Block | None]]       # the free queue's changes: (block, its prev; None if appended)
+    free_log: list[tuple[Block, Block | None]]  # the free queue's changes: (block, its prev; None if appended)
     renamed: list[tuple[Block, bytes | None, tuple | None]]  # (block, its hash, its key) before each change of name
-    fresh: list[Block]                               # blocks taken for fresh use, whose old contents may go
+    fresh: list[Block]  # blocks taken for fresh use, whose old contents may go
 
 
 class BlockManager:
@@ -149,9 +153,9 @@ class BlockManager:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self.cached: dict[bytes, Block] = {}            # block hash -> block holding those tokens
+        self.cached: dict[bytes, Block] = {}  # block hash -> block holding those tokens
         self.block_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full, registered blocks
-        self.pending_copies: list[tuple[int, int]] = [] # copy-on-write (src, dst) block copies not yet done
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) block copies not yet done
         self._log: BlockManagerState | None = None  # in a transaction: the record whose logs its changes go to
 
     @property
@@ -163,8 +167,9 @@ class BlockManager:
         every shared block it is about to write into (tokens write_from..num_tokens-1)."""
         table = self.block_tables.get(seq_id, ())
         grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
-        return grow + sum(1 for i in self._written_blocks(table, num_tokens, write_from)
-                          if self.blocks[table[i]].ref_count > 1)
+        return grow + sum(
+            1 for i in self._written_blocks(table, num_tokens, write_from) if self.blocks[table[i]].ref_count > 1
+        )
 
     def _written_blocks(self, table, num_tokens: int, write_from: int | None) -> range:
         """Indices of the table's existing blocks that tokens write_from..num_tokens-1 write into."""
@@ -172,8 +177,9 @@ class BlockManager:
             return range(0)
         return range(write_from // self.block_size, min(len(table), cdiv(num_tokens, self.block_size)))
 
-    def can_allocate(self, num_tokens: int, seq_id: int | None = None, prefix_hits: list[Block] = (),
-                     write_from: int | None = None) -> AllocStatus:
+    def can_allocate(
+        self, num_tokens: int, seq_id: int | None = None, prefix_hits: list[Block] = (), write_from: int | None = None
+    ) -> AllocStatus:
         """Admission: can a sequence (new, or seq_id growing) hold num_tokens tokens now, later, or never?
         prefix_hits: a new sequence's prefix-cache hits, which it takes instead of fresh blocks."""
         if cdiv(num_tokens, self.block_size) > self.num_blocks:
@@ -184,14 +190,16 @@ class BlockManager:
             return AllocStatus.LATER
         return AllocStatus.OK
 
-    def allocate(self, seq_id: int, num_tokens: int, prefix_hits: list[Block] = (),
-                 write_from: int | None = None) -> list[int]:
+    def allocate(
+        self, seq_id: int, num_tokens: int, prefix_hits: list[Block] = (), write_from: int | None = None
+    ) -> list[int]:
         """Grow seq_id's table (creating it if new, starting with its cache hits) to cover num_tokens tokens,
         and give it private copies of shared blocks it will write into from write_from on; all or nothing.
         The copies to make are queued in pending_copies for the engine."""
         if self.can_allocate(num_tokens, seq_id, prefix_hits, write_from) is not AllocStatus.OK:
-            raise NoFreeBlocksError(f"sequence {seq_id} cannot grow to {num_tokens} tokens: "
-                                    f"{self.num_free_blocks} blocks are free")
+            raise NoFreeBlocksError(
+                f"sequence {seq_id} cannot grow to {num_tokens} tokens: {self.num_free_blocks} blocks are free"
+            )
         table = self.block_tables.setdefault(seq_id, [])
         for block in prefix_hits:
             if block.ref_count == 0:
@@ -259,10 +267,11 @@ class BlockManager:
 
     def _hash_key(self, parent_hash: bytes | None, token_ids: list[int], start: int, extra_key) -> tuple:
         """What names the full block of tokens start..start+block_size-1: its hash is hash_function(*key)."""
-        return parent_hash, tuple(token_ids[start:start + self.block_size]), extra_key
+        return parent_hash, tuple(token_ids[start : start + self.block_size]), extra_key
 
-    def cache_full_blocks(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
-                          extra_key=None) -> list[Block]:
+    def cache_full_blocks(
+        self, seq_id: int, token_ids: list[int], num_computed_tokens: int, extra_key=None
+    ) -> list[Block]:
         """Register the blocks of seq_id that are now full of computed tokens under their chained hashes.
         Returns the blocks that entered the cache (a block already named by an earlier copy does not)."""
         if not self.enable_prefix_caching:
@@ -302,7 +311,7 @@ class BlockManager:
         if child_id in self.block_tables:
             raise ValueError(f"sequence {child_id} already has a block table")
         table = self.block_tables[parent_id]
-        table = list(table if num_tokens is None else table[:cdiv(num_tokens, self.block_size)])
+        table = list(table if num_tokens is None else table[: cdiv(num_tokens, self.block_size)])
         for block_id in table:
             self.blocks[block_id].ref_count += 1
         self.block_tables[child_id] = table
@@ -339,9 +348,14 @@ class BlockManager:
     def checkpoint(self) -> "BlockManagerState":
         """Open a transaction: from now on restore(record) can put every table, ref count, free block and cached
         name back as it is now. Costs a copy of the tables (the blocks in use), not of the pool."""
-        record = BlockManagerState({seq_id: list(table) for seq_id, table in self.block_tables.items()},
-                                   {seq_id: list(hashes) for seq_id, hashes in self.block_hashes.items()},
-                                   list(self.pending_copies), free_log=[], renamed=[], fresh=[])
+        record = BlockManagerState(
+            {seq_id: list(table) for seq_id, table in self.block_tables.items()},
+            {seq_id: list(hashes) for seq_id, hashes in self.block_hashes.items()},
+            list(self.pending_copies),
+            free_log=[],
+            renamed=[],
+            fresh=[],
+        )
         self.free_queue.log, self._log = record.free_log, record
         return record
 
@@ -356,12 +370,12 @@ class BlockManager:
         sequence preempted in the meantime, its blocks given to another) are returned: their K/V are gone."""
         self.stop_logging()
         self.free_queue.undo(record.free_log)
-        for block, block_hash, key in reversed(record.renamed):   # newest first, each name back as it was
+        for block, block_hash, key in reversed(record.renamed):  # newest first, each name back as it was
             self._rename(block, block_hash, key)
         tables = {seq_id: list(table) for seq_id, table in record.block_tables.items()}
         self.block_tables, self.pending_copies = tables, list(record.pending_copies)
         self.block_hashes = {seq_id: list(hashes) for seq_id, hashes in record.block_hashes.items()}
-        for block in self.blocks:       # a block's count is the number of tables that hold it
+        for block in self.blocks:  # a block's count is the number of tables that hold it
             block.ref_count = 0
         for table in tables.values():
             for block_id in table:

@@ -43,13 +43,13 @@ from paged.kv_connector import KVConnector, KVConnectorMetadata
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens to compute)
-    batch: list[tuple[Sequence, int]] = field(default_factory=list)      # scheduled, in the forward pass's order
+    batch: list[tuple[Sequence, int]] = field(default_factory=list)  # scheduled, in the forward pass's order
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the step
     cached_blocks: list = field(default_factory=list)  # blocks this step enters in the prefix cache
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (pool block, swap slot), before all
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (swap slot, pool block)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)      # (prefix-tier slot, pool block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap slot, pool block)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (prefix-tier slot, pool block)
     num_computed: dict[int, int] = field(default_factory=dict)  # seq_id -> its tokens computed before the step
     decodes: set[int] = field(default_factory=set)  # seq_ids computing their newest token, an output token
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): a prompt this step
@@ -64,6 +64,7 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class SchedulerState:
     """The scheduler's queues and counts as an engine step found them (Scheduler.checkpoint)."""
+
     running: list[Sequence]
     waiting: deque[Sequence]
     swapped: deque[Sequence]
@@ -75,8 +76,15 @@ class SchedulerState:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_space=None, prefix_tier=None,
-                 device: torch.device | str = "cpu", kv_connector: KVConnector | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        swap_space=None,
+        prefix_tier=None,
+        device: torch.device | str = "cpu",
+        kv_connector: KVConnector | None = None,
+    ):
         """config: the limits (EngineConfig, checked when it was made); swap_space, prefix_tier: offload.py's;
         kv_connector: kv_connector.py's (None: one that moves nothing)."""
         self.config = config
@@ -89,13 +97,13 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted with their blocks in swap_space (offload.SwapSpace)
         self.swap_space = swap_space
-        self.prefix_tier = prefix_tier           # offload.PrefixTier, or None
+        self.prefix_tier = prefix_tier  # offload.PrefixTier, or None
         self.kv_connector = kv_connector or KVConnector()
         self.sending: dict[str, list[int]] = {}  # request_id -> seq_ids of finished sequences whose blocks are kept
-        self.prefix_hit_tokens = 0     # prompt tokens admitted with their K/V already in the prefix cache
-        self.prefix_query_tokens = 0   # prompt tokens admitted
+        self.prefix_hit_tokens = 0  # prompt tokens admitted with their K/V already in the prefix cache
+        self.prefix_query_tokens = 0  # prompt tokens admitted
         self.num_preemptions = 0
-        self.device = torch.device(device)       # where seeded sequences' sampling generators live
+        self.device = torch.device(device)  # where seeded sequences' sampling generators live
         self.next_seq_id = 0
 
     # ---- sequences in ---------------------------------------------------------------------------------------
@@ -146,8 +154,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             if not self._make_room(seq, seq.num_computed_tokens + num_new, scheduled_ids, out):
                 continue
-            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new,
-                                        write_from=seq.num_computed_tokens)
+            self.block_manager.allocate(
+                seq.seq_id, seq.num_computed_tokens + num_new, write_from=seq.num_computed_tokens
+            )
             self._schedule(seq, num_new, out)
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
@@ -158,13 +167,17 @@ class Scheduler:
             seq = self.waiting[0]  # waiting sequences have nothing computed (new, or preempted and dropped)
             if seats + seq.num_seats > self.max_num_seqs or not self._adapter_fits(seq):
                 break
-            hits, tier_hits, num_external = [], [], 0   # a request that skips reading the cache computes it all
+            hits, tier_hits, num_external = [], [], 0  # a request that skips reading the cache computes it all
             if not seq.request.params.skips_prefix_cache:
                 hits = self.block_manager.find_cached_prefix(seq.token_ids, seq.request.cache_key)
-                tier_hits = [] if self.prefix_tier is None else \
-                    self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
+                tier_hits = (
+                    []
+                    if self.prefix_tier is None
+                    else self.prefix_tier.find(seq.token_ids, seq.request.cache_key, skip=len(hits))
+                )
                 num_external = self.kv_connector.get_num_new_matched_tokens(  # K/V it loads before the step
-                    seq.request, (len(hits) + len(tier_hits)) * self.block_manager.block_size)
+                    seq.request, (len(hits) + len(tier_hits)) * self.block_manager.block_size
+                )
             num_cached = (len(hits) + len(tier_hits)) * self.block_manager.block_size + num_external
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
@@ -209,8 +222,11 @@ class Scheduler:
         while self.swapped and budget > 0:
             seq = self.swapped[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seats + seq.num_seats > self.max_num_seqs or not self._adapter_fits(seq) or \
-                    self.block_manager.can_allocate(seq.num_computed_tokens + num_new) is not AllocStatus.OK:
+            if (
+                seats + seq.num_seats > self.max_num_seqs
+                or not self._adapter_fits(seq)
+                or self.block_manager.can_allocate(seq.num_computed_tokens + num_new) is not AllocStatus.OK
+            ):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.swap_space.swap_in(seq.seq_id, seq.num_computed_tokens + num_new)
@@ -239,24 +255,30 @@ class Scheduler:
         if num_new == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1:
             out.decodes.add(seq.seq_id)
         num_real = seq.num_computed_tokens + num_new - len(seq.spec_token_ids)  # draft tokens are not cached
-        out.cached_blocks += self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, num_real,
-                                                                  seq.request.cache_key)
+        out.cached_blocks += self.block_manager.cache_full_blocks(
+            seq.seq_id, seq.token_ids, num_real, seq.request.cache_key
+        )
 
     def _fit_lookahead(self, seq: Sequence, budget: int) -> None:
         """A verify of k drafts costs 1 + k tokens of the budget and 1 + k slots (speculative decoding, guide §14):
         keep the drafts the budget pays for, and none if the pool has no room for them; nobody is preempted
         to make room for a guess."""
-        del seq.spec_token_ids[max(0, budget - 1):]
-        if self.block_manager.can_allocate(seq.num_tokens + len(seq.spec_token_ids), seq.seq_id,
-                                           write_from=seq.num_computed_tokens) is not AllocStatus.OK:
+        del seq.spec_token_ids[max(0, budget - 1) :]
+        if (
+            self.block_manager.can_allocate(
+                seq.num_tokens + len(seq.spec_token_ids), seq.seq_id, write_from=seq.num_computed_tokens
+            )
+            is not AllocStatus.OK
+        ):
             seq.spec_token_ids.clear()
 
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int],
-                   out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled_ids: set[int], out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences not yet scheduled this step until seq can hold num_tokens.
         Returns False if seq itself had to go."""
-        while self.block_manager.can_allocate(num_tokens, seq.seq_id,
-                                              write_from=seq.num_computed_tokens) is not AllocStatus.OK:
+        while (
+            self.block_manager.can_allocate(num_tokens, seq.seq_id, write_from=seq.num_computed_tokens)
+            is not AllocStatus.OK
+        ):
             victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
             self.running.remove(victim)
             if not self._swap_out(victim, out):
@@ -292,15 +314,23 @@ class Scheduler:
     def checkpoint(self) -> "SchedulerState":
         """The queues and counts, for a step that may be undone (engine/journal.py); the sequences in the
         queues are kept by their requests."""
-        return SchedulerState(list(self.running), self.waiting.copy(), self.swapped.copy(), self.prefix_hit_tokens,
-                              self.prefix_query_tokens, self.num_preemptions, self.next_seq_id,
-                              {request_id: list(seq_ids) for request_id, seq_ids in self.sending.items()})
+        return SchedulerState(
+            list(self.running),
+            self.waiting.copy(),
+            self.swapped.copy(),
+            self.prefix_hit_tokens,
+            self.prefix_query_tokens,
+            self.num_preemptions,
+            self.next_seq_id,
+            {request_id: list(seq_ids) for request_id, seq_ids in self.sending.items()},
+        )
 
     def may_change(self):
         """The sequences a step can change: the running and swapped ones, and the waiting ones it could admit
         (each takes a seat), not the whole queue behind them."""
-        return itertools.chain(self.running, self.swapped,
-                               itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
+        return itertools.chain(
+            self.running, self.swapped, itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
+        )
 
     def restore(self, record: "SchedulerState", lost: set[int]) -> None:
         """Put the queues and counts back as checkpoint found them; then the sequences in lost (ids), whose K/V
@@ -321,8 +351,9 @@ class Scheduler:
 
     # ---- after the forward pass ------------------------------------------------------------------------------
 
-    def update_from_output(self, plan: SchedulerOutput, sampled: list[tuple[Sequence, list[int]]],
-                           now: float | None = None) -> list[Sequence]:
+    def update_from_output(
+        self, plan: SchedulerOutput, sampled: list[tuple[Sequence, list[int]]], now: float | None = None
+    ) -> list[Sequence]:
         """Advance the sequences plan scheduled past the tokens the step computed, start its forks, and append
         what the sampler chose: sampled holds (sequence, tokens), one token, or the 1..k + 1 a verify of k drafts
         accepts. A verify rolls back over its rejected drafts first (their blocks go back to the pool). Each
@@ -362,8 +393,9 @@ class Scheduler:
         params = seq.params
         if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or \
-                (self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len):
+        elif len(seq.output_token_ids) >= params.max_tokens or (
+            self.config.max_model_len is not None and seq.num_tokens >= self.config.max_model_len
+        ):
             seq.finish_reason = "length"
         else:
             return False

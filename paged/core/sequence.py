@@ -17,13 +17,14 @@ from paged.sampling_params import Logprob, SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    SWAPPED = "swapped"    # preempted with its K/V copied out to the swap tier (guide §15)
+    SWAPPED = "swapped"  # preempted with its K/V copied out to the swap tier (guide §15)
     FINISHED = "finished"
 
 
 @dataclass(frozen=True)
 class SequenceState:
     """A sequence as an engine step found it (Sequence.checkpoint): the lists a step only appends to, by length."""
+
     num_tokens: int
     num_logprobs: int
     num_computed_tokens: int
@@ -33,12 +34,13 @@ class SequenceState:
     num_preemptions: int
     spec_token_ids: list[int]
     spec_draft_probs: torch.Tensor | None
-    generator_state: torch.Tensor | None   # a seeded sequence's generator, else None
+    generator_state: torch.Tensor | None  # a seeded sequence's generator, else None
 
 
 @dataclass(frozen=True)
 class MetricsState:
     """A request's metrics as an engine step found them (RequestMetrics.checkpoint)."""
+
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
@@ -50,6 +52,7 @@ class MetricsState:
 @dataclass(frozen=True)
 class RequestState:
     """A request as an engine step found it (Request.checkpoint): its sequences then, each one's state."""
+
     num_seqs: int
     seqs: tuple[SequenceState, ...]
     num_prompt_logprobs: int
@@ -60,16 +63,16 @@ class Sequence:
     def __init__(self, seq_id: int, request: "Request", index: int, generator: torch.Generator | None):
         self.seq_id = seq_id
         self.request = request
-        self.index = index                       # which of the request's n completions
+        self.index = index  # which of the request's n completions
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0             # tokens whose K/V are in the pool
+        self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None    # "stop" (EOS, a stop token or a stop string), "length" or "abort"
-        self.stop_reason: str | None = None      # the stop string that ended it (params.stop), if one did
-        self.generator = generator               # seeded: its n-th draw is output position n's noise (engine/sampler.py)
+        self.finish_reason: str | None = None  # "stop" (EOS, a stop token or a stop string), "length" or "abort"
+        self.stop_reason: str | None = None  # the stop string that ended it (params.stop), if one did
+        self.generator = generator  # seeded: its n-th draw is output position n's noise (engine/sampler.py)
         self.num_preemptions = 0
-        self.spec_token_ids: list[int] = []      # draft tokens proposed for the next step, not yet verified
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] draft's q, when sampled
         #                                                     with the engine's generator (no seed)
         self.logprobs: list[dict[int, Logprob]] = []  # one per output token, when params.logprobs asks for them
@@ -84,7 +87,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -103,13 +106,22 @@ class Sequence:
         """What an undone engine step puts back (engine/journal.py). A step only appends to token_ids and
         logprobs, so their counts are enough; a seeded generator's state is kept too: it has drawn one noise per
         output token, so after the undone step it draws the same positions' noise again."""
-        return SequenceState(len(self.token_ids), len(self.logprobs), self.num_computed_tokens, self.status,
-                             self.finish_reason, self.stop_reason, self.num_preemptions, list(self.spec_token_ids),
-                             self.spec_draft_probs, None if self.generator is None else self.generator.get_state())
+        return SequenceState(
+            len(self.token_ids),
+            len(self.logprobs),
+            self.num_computed_tokens,
+            self.status,
+            self.finish_reason,
+            self.stop_reason,
+            self.num_preemptions,
+            list(self.spec_token_ids),
+            self.spec_draft_probs,
+            None if self.generator is None else self.generator.get_state(),
+        )
 
     def restore(self, record: "SequenceState") -> None:
-        del self.token_ids[record.num_tokens:]
-        del self.logprobs[record.num_logprobs:]
+        del self.token_ids[record.num_tokens :]
+        del self.logprobs[record.num_logprobs :]
         self.num_computed_tokens, self.status = record.num_computed_tokens, record.status
         self.finish_reason, self.stop_reason = record.finish_reason, record.stop_reason
         self.num_preemptions = record.num_preemptions
@@ -118,31 +130,40 @@ class Sequence:
             self.generator.set_state(record.generator_state)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"{self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.value})"
+        )
 
 
 @dataclass
 class RequestMetrics:
     """Times of one request's life, in seconds of the engine's clock (time.perf_counter unless a driver
     replaying a trace supplies its own)."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    num_draft_tokens: int = 0       # speculative tokens proposed for this request (guide §14)
-    num_accepted_tokens: int = 0    # of those, the ones the target accepted
+    num_draft_tokens: int = 0  # speculative tokens proposed for this request (guide §14)
+    num_accepted_tokens: int = 0  # of those, the ones the target accepted
     token_times: list[float] = field(default_factory=list)  # when each output token was appended
 
     def checkpoint(self) -> "MetricsState":
-        return MetricsState(self.first_scheduled_time, self.first_token_time, self.finished_time,
-                            self.num_draft_tokens, self.num_accepted_tokens, len(self.token_times))
+        return MetricsState(
+            self.first_scheduled_time,
+            self.first_token_time,
+            self.finished_time,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            len(self.token_times),
+        )
 
     def restore(self, record: "MetricsState") -> None:
         self.first_scheduled_time, self.first_token_time = record.first_scheduled_time, record.first_token_time
         self.finished_time = record.finished_time
         self.num_draft_tokens, self.num_accepted_tokens = record.num_draft_tokens, record.num_accepted_tokens
-        del self.token_times[record.num_token_times:]
+        del self.token_times[record.num_token_times :]
 
     @property
     def ttft(self) -> float | None:
@@ -176,12 +197,16 @@ class Request:
     def checkpoint(self) -> "RequestState":
         """Its sequences (those forked later are dropped on restore), prompt logprobs and metrics, for the engine
         step's journal (engine/journal.py)."""
-        return RequestState(len(self.seqs), tuple(seq.checkpoint() for seq in self.seqs), len(self.prompt_logprobs),
-                            self.metrics.checkpoint())
+        return RequestState(
+            len(self.seqs),
+            tuple(seq.checkpoint() for seq in self.seqs),
+            len(self.prompt_logprobs),
+            self.metrics.checkpoint(),
+        )
 
     def restore(self, record: "RequestState") -> None:
-        del self.seqs[record.num_seqs:]
-        del self.prompt_logprobs[record.num_prompt_logprobs:]
+        del self.seqs[record.num_seqs :]
+        del self.prompt_logprobs[record.num_prompt_logprobs :]
         for seq, seq_record in zip(self.seqs, record.seqs):
             seq.restore(seq_record)
         self.metrics.restore(record.metrics)
@@ -198,9 +223,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[dict[int, Logprob]] | None = None   # one per token, when SamplingParams.logprobs asked
-    cumulative_logprob: float | None = None            # the sum of the chosen tokens' log-probabilities
-    stop_reason: int | str | None = None               # the stop string or stop token id that ended it (vLLM's)
+    logprobs: list[dict[int, Logprob]] | None = None  # one per token, when SamplingParams.logprobs asked
+    cumulative_logprob: float | None = None  # the sum of the chosen tokens' log-probabilities
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's)
 
 
 @dataclass

@@ -29,8 +29,9 @@ class DecodeGraphs:
     """The decode forward pass of `model` for each of `sizes` sequences, over `buffers` and the pool `kv_cache`:
     captured as CUDA graphs when `capture` (the model on a GPU), else run eagerly at the padded size."""
 
-    def __init__(self, model, kv_cache, buffers: InputBuffers, sizes: tuple[int, ...], max_model_len: int,
-                 capture: bool):
+    def __init__(
+        self, model, kv_cache, buffers: InputBuffers, sizes: tuple[int, ...], max_model_len: int, capture: bool
+    ):
         self.model, self.kv_cache, self.buffers, self.sizes = model, kv_cache, buffers, sizes
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its logits)
         if capture:
@@ -53,25 +54,35 @@ class DecodeGraphs:
                 args = self._padding_inputs(size, max_model_len)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):   # compile the kernels and settle the allocator outside the capture
+                with torch.cuda.stream(side):  # compile the kernels and settle the allocator outside the capture
                     self.model.forward(*args[:3], self.kv_cache, args[3])
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.forward(*args[:3], self.kv_cache, args[3])   # [size, vocab]
+                    logits = self.model.forward(*args[:3], self.kv_cache, args[3])  # [size, vocab]
                 pool = graph.pool()
                 self.graphs[size] = (graph, logits)
         except RuntimeError as error:
             self.graphs.clear()
-            warnings.warn(f"capturing the decode step as a CUDA graph failed ({error}); every step runs eagerly, as "
-                          f"with enforce_eager=True", stacklevel=2)
+            warnings.warn(
+                f"capturing the decode step as a CUDA graph failed ({error}); every step runs eagerly, as "
+                f"with enforce_eager=True",
+                stacklevel=2,
+            )
 
     def _padding_inputs(self, size: int, max_model_len: int):
         """A decode batch of `size` padding rows in the buffers, its AttentionMetadata claiming the longest context
         the model allows, so that what the host chooses at capture suits every step, and no padding: the graph
         writes every row's K/V, and the kernel skips the padding rows of a replay by their slot (-1)."""
         input_ids, positions, meta, logits_indices = self.buffers.fill(
-            [0] * size, [0] * size, [PAD_SLOT_ID] * size, list(range(size)), [[0]] * size, [1] * size, [1] * size,
-            num_decodes=size)
+            [0] * size,
+            [0] * size,
+            [PAD_SLOT_ID] * size,
+            list(range(size)),
+            [[0]] * size,
+            [1] * size,
+            [1] * size,
+            num_decodes=size,
+        )
         meta.decode_max_context_len = max_model_len
         return input_ids, positions, meta, logits_indices

@@ -33,6 +33,7 @@ from paged.speculative import SpeculatorState
 @dataclass(frozen=True)
 class EngineState:
     """Everything a step may change, as it found it: the engine's own state and each participant's record."""
+
     requests: dict[str, Request]
     request_states: tuple[tuple[Request, RequestState], ...]  # the requests whose sequences the step may change
     num_steps: int
@@ -72,7 +73,8 @@ class StepJournal:
             prefix_tier=None if engine.prefix_tier is None else engine.prefix_tier.checkpoint(),
             speculator=None if engine.speculator is None else engine.speculator.checkpoint(),
             kv_connector=engine.kv_connector.checkpoint(),
-            lora=None if engine.lora is None else engine.lora.checkpoint())
+            lora=None if engine.lora is None else engine.lora.checkpoint(),
+        )
 
     def commit(self) -> None:
         """The step stands: close the logs and drop the record."""
@@ -87,8 +89,11 @@ class StepJournal:
         overwrote (blocks or tier slots it gave to another) go back to be recomputed."""
         engine, record, self._record = self.engine, self._record, None
         written = engine.model_runner.kv_written
-        engine.requests, engine.num_steps, engine.last_schedule = \
-            dict(record.requests), record.num_steps, record.last_schedule
+        engine.requests, engine.num_steps, engine.last_schedule = (
+            dict(record.requests),
+            record.num_steps,
+            record.last_schedule,
+        )
         for request, state in record.request_states:
             request.restore(state)
         lost = set(engine.block_manager.restore(record.block_manager, written))

@@ -3,6 +3,9 @@
     engine = LLMEngine(...); engine.add_request(engine.make_request(prompt, params))
     while engine.has_unfinished_requests(): engine.step()
 
+`step()` returns the requests that finished (what `LLM.generate` waits for); `core_step()` returns as well every
+sequence that gained tokens, which a server streams (vLLM V1's EngineCoreOutputs).
+
 A step is vLLM V1's EngineCore step: the scheduler plans it (core/scheduler.py), the model runner runs it and
 samples (engine/model_runner.py), the scheduler's update appends the tokens and ends what is done, and the output
 processor decodes logprobs, finds stop strings and makes the RequestOutputs (engine/output_processor.py). The `LLM`
@@ -24,7 +27,7 @@ import torch
 from paged.config import EngineConfig
 from paged.core.block_manager import BlockManager
 from paged.core.scheduler import Scheduler
-from paged.core.sequence import Request, RequestMetrics, RequestOutput
+from paged.core.sequence import Request, RequestMetrics, RequestOutput, Sequence
 from paged.engine.journal import StepJournal
 from paged.engine.model_runner import ModelRunner
 from paged.engine.output_processor import OutputProcessor
@@ -41,21 +44,40 @@ from paged.validation import ArgumentError, prompt_token_ids, real
 class StepTimes:
     """The host's seconds in each part of one step (guide §11; benchmarks/host_time.py). On a CPU the forward pass
     is the device work itself; on a GPU the host only launches it there, and sampling first waits for it to end."""
-    schedule: float   # drafts proposed, the scheduler's plan
-    prepare: float    # the step's inputs built, block copies made
-    forward: float    # the model's forward pass
-    sample: float     # sampling, verifying drafts, logprobs
-    finish: float     # the scheduler's update, the outputs (text, stop strings), the connector's saves
+
+    schedule: float  # drafts proposed, the scheduler's plan
+    prepare: float  # the step's inputs built, block copies made
+    forward: float  # the model's forward pass
+    sample: float  # sampling, verifying drafts, logprobs
+    finish: float  # the scheduler's update, the outputs (text, stop strings), the connector's saves
 
     @property
     def total(self) -> float:
         return self.schedule + self.prepare + self.forward + self.sample + self.finish
 
 
+@dataclasses.dataclass
+class EngineCoreOutputs:
+    """What one step did (vLLM V1's EngineCoreOutputs): each sequence that appended tokens, with how many (its
+    last that many output tokens and log-probability entries are new), and the requests that finished."""
+
+    new_tokens: list[tuple[Sequence, int]]
+    finished: list[RequestOutput]
+
+
 class LLMEngine:
-    def __init__(self, model: PagedLlama, tokenizer=None, config: EngineConfig | None = None, *,
-                 clock=time.perf_counter, draft_model: PagedLlama | None = None,
-                 kv_connector: KVConnector | None = None, executor=None, **settings):
+    def __init__(
+        self,
+        model: PagedLlama,
+        tokenizer=None,
+        config: EngineConfig | None = None,
+        *,
+        clock=time.perf_counter,
+        draft_model: PagedLlama | None = None,
+        kv_connector: KVConnector | None = None,
+        executor=None,
+        **settings,
+    ):
         """config: the engine's settings (EngineConfig), or the same as keyword arguments (block_size=16, ...).
         draft_model: the draft for speculative_config's method "draft_model" (resolve_draft makes it).
         kv_connector: where K/V come from or go to besides this pool (kv_connector.py; None: nowhere).
@@ -68,8 +90,9 @@ class LLMEngine:
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = pool_blocks(model_geometry(model), config.kv_cache_memory, config.block_size)
-        self.config = config = config.for_model(model.max_position, model.vocab_size,
-                                                eos_token_ids(model.config), num_blocks)
+        self.config = config = config.for_model(
+            model.max_position, model.vocab_size, eos_token_ids(model.config), num_blocks
+        )
         self.model = model
         self.clock = clock  # seconds; a driver replaying a trace may pass a simulated clock
         self.device = model.device
@@ -79,21 +102,26 @@ class LLMEngine:
         self.lora = LoRAManager(model, config) if config.enable_lora else None
         self.kv_connector = kv_connector or KVConnector()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.speculator = None if config.speculative is None else \
-            Speculator(config.speculative, draft_model, num_blocks, config.block_size)  # guide §14
+        self.speculator = (
+            None
+            if config.speculative is None
+            else Speculator(config.speculative, draft_model, num_blocks, config.block_size)
+        )  # guide §14
         self.executor = executor
-        self.model_runner = ModelRunner(model, config, self.block_manager, self.generator, self.kv_connector,
-                                        self.lora, self.speculator, executor)
+        self.model_runner = ModelRunner(
+            model, config, self.block_manager, self.generator, self.kv_connector, self.lora, self.speculator, executor
+        )
         self.kv_cache = self.model_runner.kv_cache
         self.swap_space, self.prefix_tier = self.model_runner.swap_space, self.model_runner.prefix_tier
-        self.scheduler = Scheduler(config, self.block_manager, self.swap_space, self.prefix_tier, self.device,
-                                   self.kv_connector)
+        self.scheduler = Scheduler(
+            config, self.block_manager, self.swap_space, self.prefix_tier, self.device, self.kv_connector
+        )
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids)  # holds the tokenizer
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self.num_steps = 0
         self.last_schedule = None
-        self.last_step_times: StepTimes | None = None   # the last step's host seconds, part by part
+        self.last_step_times: StepTimes | None = None  # the last step's host seconds, part by part
         self.forward_observers = []  # callables(plan) run before each forward pass, for widgets and measurements
         self.journal = StepJournal(self)  # the step's undo log (guide §11)
 
@@ -109,8 +137,13 @@ class LLMEngine:
 
     # ---- requests in and out ----------------------------------------------------------------------------
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     lora_request: LoRARequest | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> Request:
         """Tokenize and validate one prompt; raises ValueError and changes nothing if it cannot be served.
         With lora_request the request runs under that adapter, read and checked here the first time it is seen.
         params.prompt_logprobs=N: the output's prompt_logprobs give each prompt token's log-probability given the
@@ -132,9 +165,15 @@ class LLMEngine:
             if self.lora is None:
                 raise ValueError("lora_request needs an engine made with enable_lora=True")
             self.lora.resolve(lora_request)
-        return Request(request_id, text, token_ids, params, RequestMetrics(arrival_time=self.clock()),
-                       cache_key=lora_request.cache_key if lora_request is not None else None,
-                       lora_request=lora_request)
+        return Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            RequestMetrics(arrival_time=self.clock()),
+            cache_key=lora_request.cache_key if lora_request is not None else None,
+            lora_request=lora_request,
+        )
 
     def _next_request_id(self) -> str:
         """A fresh automatic id, skipping any a caller chose for a request still in flight."""
@@ -146,8 +185,11 @@ class LLMEngine:
         """Queue a request made by make_request. One sequence prefills the prompt; with n > 1 it forks the
         other n - 1 when the prompt is done, and they all share the prompt's blocks (copy-on-write)."""
         if request.request_id in self.requests or request.seqs:
-            raise ArgumentError("request_id", f"request_id {request.request_id!r} is already in use (or the request "
-                                              f"was added before); make a new request")
+            raise ArgumentError(
+                "request_id",
+                f"request_id {request.request_id!r} is already in use (or the request "
+                f"was added before); make a new request",
+            )
         self.scheduler.add_request(request)
         self.requests[request.request_id] = request
         return request.request_id
@@ -178,7 +220,7 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_num_batched_tokens=value)
         self.scheduler.config = self.config
         self.scheduler.max_num_batched_tokens = self.config.max_num_batched_tokens
-        self.model_runner.config = self.config   # its input buffers grow on the first step that needs it
+        self.model_runner.config = self.config  # its input buffers grow on the first step that needs it
 
     def check_health(self) -> None:
         """A RuntimeError saying why, if the engine can no longer run a step (a tensor-parallel worker died)."""
@@ -192,8 +234,9 @@ class LLMEngine:
         """Drivers that step the engine for their own requests (generate, beam search, replay) need it to
         themselves, or other callers' outputs would be taken by them."""
         if self.has_unfinished_requests():
-            raise ValueError(f"{caller} needs an idle engine: finish or abort its {len(self.requests)} "
-                             f"request(s) in flight first")
+            raise ValueError(
+                f"{caller} needs an idle engine: finish or abort its {len(self.requests)} request(s) in flight first"
+            )
 
     # ---- one iteration ------------------------------------------------------------------------------------
 
@@ -201,25 +244,32 @@ class LLMEngine:
         """Schedule, run one forward pass over every scheduled token, sample; returns the requests that finished.
         With speculation on, decoding sequences first propose draft tokens, which the forward pass verifies.
         A transaction: if anything in it raises, the engine is as it was before the step."""
+        return self.core_step().finished
+
+    def core_step(self) -> EngineCoreOutputs:
+        """step(), returning also each sequence's new tokens."""
         with self.transaction():
             return self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> EngineCoreOutputs:
         started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.max_model_len, self.generator)
         plan = self.last_schedule = self.scheduler.schedule()  # kept for timelines and widgets
         if not plan.scheduled:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not place any waiting sequence (a bug: requests are "
-                                   "validated to fit the pool)")
-            return []
+                raise RuntimeError(
+                    "the scheduler could not place any waiting sequence (a bug: requests are validated to fit the pool)"
+                )
+            return EngineCoreOutputs([], [])
         self.begin_forward(plan)
         scheduled = time.perf_counter()
         output = self.model_runner.execute_model(plan, self.scheduler.running)
         executed = time.perf_counter()
-        finished = self.scheduler.update_from_output(plan, list(zip(output.seqs, output.sampled_token_ids)),
-                                                     now=self.clock())
+        num_before = [len(seq.output_token_ids) for seq in output.seqs]  # a fork's child has none yet
+        finished = self.scheduler.update_from_output(
+            plan, list(zip(output.seqs, output.sampled_token_ids)), now=self.clock()
+        )
         stopped = self.output_processor.process_outputs(output)
         self.scheduler.abort([seq for seq, _ in stopped if not seq.is_finished])  # their blocks go back now
         for seq, stop in stopped:
@@ -228,13 +278,21 @@ class LLMEngine:
         self.scheduler.update_from_kv_xfer_finished(self.kv_connector.get_finished())
         self._release_drafts()
         finished = list(finished) + [seq for seq, _ in stopped]
-        outputs = [self._finish_request(request) for request in {seq.request.request_id: seq.request
-                                                                 for seq in finished}.values()
-                   if request.is_finished]
+        outputs = [
+            self._finish_request(request)
+            for request in {seq.request.request_id: seq.request for seq in finished}.values()
+            if request.is_finished
+        ]
+        new_tokens = [(seq, len(seq.output_token_ids) - n) for seq, n in zip(output.seqs, num_before)]
         runner = self.model_runner
-        self.last_step_times = StepTimes(scheduled - started, runner.last_prepare_time, runner.last_forward_time,
-                                         runner.last_sample_time, time.perf_counter() - executed)
-        return outputs
+        self.last_step_times = StepTimes(
+            scheduled - started,
+            runner.last_prepare_time,
+            runner.last_forward_time,
+            runner.last_sample_time,
+            time.perf_counter() - executed,
+        )
+        return EngineCoreOutputs([(seq, n) for seq, n in new_tokens if n], outputs)
 
     def begin_forward(self, plan) -> None:
         """What the engine records as a plan's forward pass begins (step, and each step of a beam search):
@@ -266,8 +324,7 @@ class LLMEngine:
     def spec_stats(self) -> dict:
         """Speculative decoding's counts (vLLM's names); all zero when speculation is off."""
         if self.speculator is None:
-            return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                    "num_accepted_tokens_per_pos": []}
+            return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
         return self.speculator.stats()
 
     def _finish_request(self, request: Request) -> RequestOutput:
@@ -314,8 +371,13 @@ def eos_token_ids(config) -> frozenset[int]:
 
 def model_geometry(model: PagedLlama) -> KVGeometry:
     """The K/V layout of a model's pool (for one rank's shard: its KV heads)."""
-    return KVGeometry(num_layers=len(model.layers), num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                      element_bytes=dtype_bytes(model.dtype), num_attention_heads=model.num_heads)
+    return KVGeometry(
+        num_layers=len(model.layers),
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        element_bytes=dtype_bytes(model.dtype),
+        num_attention_heads=model.num_heads,
+    )
 
 
 def pool_blocks(geometry: KVGeometry, kv_cache_memory, block_size) -> int:
@@ -323,6 +385,8 @@ def pool_blocks(geometry: KVGeometry, kv_cache_memory, block_size) -> int:
     budget = real("kv_cache_memory", kv_cache_memory)
     block_bytes = geometry.block_bytes(block_size)
     if budget < block_bytes:
-        raise ValueError(f"kv_cache_memory ({budget:.0f} bytes) must hold at least one KV block of {block_bytes} "
-                         f"bytes (block_size {block_size}); raise it, or give num_blocks")
+        raise ValueError(
+            f"kv_cache_memory ({budget:.0f} bytes) must hold at least one KV block of {block_bytes} "
+            f"bytes (block_size {block_size}); raise it, or give num_blocks"
+        )
     return geometry.pool_blocks(int(budget), block_size)

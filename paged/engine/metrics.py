@@ -25,6 +25,7 @@ from paged.engine.llm_engine import LLMEngine
 @dataclass(frozen=True)
 class RequestRecord:
     """One request's life in seconds of the replay's clock, with its lengths."""
+
     request_id: str
     num_prompt_tokens: int
     num_output_tokens: int
@@ -32,15 +33,23 @@ class RequestRecord:
     first_scheduled_time: float
     first_token_time: float
     finished_time: float
-    token_times: tuple[float, ...] = ()   # when each output token appeared, if a driver watched
+    token_times: tuple[float, ...] = ()  # when each output token appeared, if a driver watched
     num_preemptions: int = 0
 
     @classmethod
     def from_output(cls, output: RequestOutput, token_times=(), num_preemptions: int = 0) -> "RequestRecord":
         m = output.metrics
-        return cls(output.request_id, len(output.prompt_token_ids), max(len(c.token_ids) for c in output.outputs),
-                   m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
-                   tuple(token_times), num_preemptions)
+        return cls(
+            output.request_id,
+            len(output.prompt_token_ids),
+            max(len(c.token_ids) for c in output.outputs),
+            m.arrival_time,
+            m.first_scheduled_time,
+            m.first_token_time,
+            m.finished_time,
+            tuple(token_times),
+            num_preemptions,
+        )
 
     @property
     def ttft(self) -> float:
@@ -75,13 +84,17 @@ class SLO:
     """A service-level objective in seconds: a request meets it if TTFT <= ttft, TPOT <= tpot and no gap between
     two of its output tokens exceeds itl (the time-between-tokens bound of Sarathi-Serve; it needs the token
     times a driver records)."""
+
     ttft: float = float("inf")
     tpot: float = float("inf")
     itl: float = float("inf")
 
     def met_by(self, record: RequestRecord) -> bool:
-        return (record.ttft <= self.ttft and (record.tpot is None or record.tpot <= self.tpot)
-                and max(record.itl, default=0.0) <= self.itl)
+        return (
+            record.ttft <= self.ttft
+            and (record.tpot is None or record.tpot <= self.tpot)
+            and max(record.itl, default=0.0) <= self.itl
+        )
 
 
 def percentiles(values, ps=(50, 90, 99)) -> dict[str, float]:
@@ -100,11 +113,17 @@ def summarize(records: list[RequestRecord], duration: float, slo: SLO | None = N
     with an SLO the share of requests that met it and the goodput."""
     tpots = [r.tpot for r in records if r.tpot is not None]
     itls = [gap for r in records for gap in r.itl]
-    row = {"requests": len(records), "duration_s": duration,
-           "throughput_rps": len(records) / duration,
-           "output_tok_s": sum(r.num_output_tokens for r in records) / duration}
-    for name, values in (("ttft", [r.ttft for r in records]), ("tpot", tpots),
-                         ("e2e", [r.e2e_latency for r in records])):
+    row = {
+        "requests": len(records),
+        "duration_s": duration,
+        "throughput_rps": len(records) / duration,
+        "output_tok_s": sum(r.num_output_tokens for r in records) / duration,
+    }
+    for name, values in (
+        ("ttft", [r.ttft for r in records]),
+        ("tpot", tpots),
+        ("e2e", [r.e2e_latency for r in records]),
+    ):
         row[f"{name}_mean"] = float(np.mean(values)) if values else float("nan")
         row.update({f"{name}_{p}": v for p, v in percentiles(values, (50, 99)).items()})
     row["itl_max"] = max(itls, default=float("nan"))
@@ -120,14 +139,15 @@ def summarize(records: list[RequestRecord], duration: float, slo: SLO | None = N
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step as the driver saw it, read from engine.last_schedule right after the step."""
+
     index: int
     start: float
     duration: float
-    prefills: tuple[tuple[str, int], ...]   # (request_id, tokens): a prompt chunk, a whole prompt, or a recompute
-    decodes: tuple[str, ...]                # request ids that computed their newest token and sampled the next
-    preempted: tuple[str, ...]              # request ids this step's schedule sent back to waiting
+    prefills: tuple[tuple[str, int], ...]  # (request_id, tokens): a prompt chunk, a whole prompt, or a recompute
+    decodes: tuple[str, ...]  # request ids that computed their newest token and sampled the next
+    preempted: tuple[str, ...]  # request ids this step's schedule sent back to waiting
     finished: tuple[str, ...]
-    num_pairs: int                          # (query, key) pairs attention computed over all sequences
+    num_pairs: int  # (query, key) pairs attention computed over all sequences
 
     @property
     def num_batched_tokens(self) -> int:
@@ -138,18 +158,26 @@ class StepRecord:
         return len(self.prefills) + len(self.decodes)
 
 
-def read_step(engine: LLMEngine, index: int, start: float, duration: float,
-              finished: list[RequestOutput]) -> StepRecord:
+def read_step(
+    engine: LLMEngine, index: int, start: float, duration: float, finished: list[RequestOutput]
+) -> StepRecord:
     """The StepRecord of the step that just ran, read from its plan (engine.last_schedule), in request ids."""
     plan = engine.last_schedule
     prefills, decodes, num_pairs = [], [], 0
     for seq, n in plan.scheduled:
-        begin = plan.num_computed[seq.seq_id]        # the step computed positions [begin, begin + n)
-        num_pairs += n * begin + n * (n + 1) // 2    # position p attends p + 1 keys
+        begin = plan.num_computed[seq.seq_id]  # the step computed positions [begin, begin + n)
+        num_pairs += n * begin + n * (n + 1) // 2  # position p attends p + 1 keys
         if seq.seq_id in plan.decodes:
             decodes.append(seq.request.request_id)
         else:
             prefills.append((seq.request.request_id, n))
-    return StepRecord(index, start, duration, tuple(prefills), tuple(decodes),
-                      tuple(seq.request.request_id for seq in plan.preempted),
-                      tuple(out.request_id for out in finished), num_pairs)
+    return StepRecord(
+        index,
+        start,
+        duration,
+        tuple(prefills),
+        tuple(decodes),
+        tuple(seq.request.request_id for seq in plan.preempted),
+        tuple(out.request_id for out in finished),
+        num_pairs,
+    )

@@ -39,6 +39,7 @@ from paged.sampling_params import Logprob
 class ModelRunnerOutput:
     """What one step computed (vLLM's ModelRunnerOutput): the sequences whose next tokens were due (forks included,
     in row order) with the tokens each appends, and the logprob entries asked for, not yet decoded to text."""
+
     seqs: list[Sequence]
     sampled_token_ids: list[list[int]]  # per sequence: 1 token, or 1..k + 1 after verifying k drafts
     logprobs: list[tuple[Sequence, list[dict[int, Logprob]]]]  # one entry per sampled token, for params.logprobs
@@ -46,16 +47,32 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: PagedLlama, config: EngineConfig, block_manager: BlockManager,
-                 generator: torch.Generator, kv_connector: KVConnector, lora=None, speculator=None, executor=None):
+    def __init__(
+        self,
+        model: PagedLlama,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        generator: torch.Generator,
+        kv_connector: KVConnector,
+        lora=None,
+        speculator=None,
+        executor=None,
+    ):
         """generator: the engine's sampling generator (unseeded rows draw from it). lora: the LoRAManager of an
         engine made with enable_lora (guide §16). speculator: the Speculator that verifies drafts (guide §14).
         executor: the other ranks of a tensor-parallel model, model being rank 0's shard; their pools hold as
         many blocks as this one."""
         self.model, self.block_manager, self.generator = model, block_manager, generator
         self.device = model.device
-        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, block_manager.num_blocks,
-                                config.block_size, dtype=model.dtype, device=self.device)
+        self.kv_cache = KVCache(
+            len(model.layers),
+            model.num_kv_heads,
+            model.head_dim,
+            block_manager.num_blocks,
+            config.block_size,
+            dtype=model.dtype,
+            device=self.device,
+        )
         self.swap_space, self.prefix_tier = build_tiers(config.offload, block_manager, self.kv_cache)  # guide §15
         self.kv_connector, self.lora, self.speculator, self.executor = kv_connector, lora, speculator, executor
         self.kv_written = False  # within a step: K/V tensors have been written (the step journal reads it)
@@ -67,8 +84,9 @@ class ModelRunner:
             executor.initialize_cache(block_manager.num_blocks, config.block_size)
         self.config = config
         self.buffers = self.decode_graphs = None
-        self.make_buffers(config.max_num_batched_tokens, config.max_num_seqs,
-                          cdiv(config.max_model_len, config.block_size) + 1)
+        self.make_buffers(
+            config.max_num_batched_tokens, config.max_num_seqs, cdiv(config.max_model_len, config.block_size) + 1
+        )
 
     def make_buffers(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """The step's input buffers, and the decode graphs over them: captured on a GPU unless enforce_eager; on
@@ -82,25 +100,36 @@ class ModelRunner:
             return
         # the kernels that read every length on the GPU; the debug checks read the tables back, which no graph can
         capture = on_gpu and self.model.backend.name == "triton" and not llama.CHECK_KERNELS
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, self.buffers, self.config.cudagraph_capture_sizes,
-                                          self.config.max_model_len, capture)
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.buffers,
+            self.config.cudagraph_capture_sizes,
+            self.config.max_model_len,
+            capture,
+        )
 
     def execute_model(self, plan, running: list[Sequence]) -> ModelRunnerOutput:
         """Run the plan's forward pass, sample each due sequence (a fork samples from its parent's row), and score
         the logprobs asked for. running: the scheduler's running sequences, whose adapters stay resident. Changes
         no sequence, only the generators' states."""
-        logits, sampled, prompt_rows = self.forward(plan, running)                       # logits [rows, vocab]
+        logits, sampled, prompt_rows = self.forward(plan, running)  # logits [rows, vocab]
         started = time.perf_counter()
         row_of = {seq.seq_id: row for seq, row in sampled}
         sampled += [(child, row_of[parent.seq_id]) for parent, child in plan.forks]
         tokens = self.sample(sampled, logits)
-        output = ModelRunnerOutput([seq for seq, _ in sampled], tokens, self.logprobs(sampled, tokens, logits),
-                                   self.prompt_logprobs(prompt_rows, logits))
+        output = ModelRunnerOutput(
+            [seq for seq, _ in sampled],
+            tokens,
+            self.logprobs(sampled, tokens, logits),
+            self.prompt_logprobs(prompt_rows, logits),
+        )
         self.last_sample_time = time.perf_counter() - started
         return output
 
-    def forward(self, plan, running: list[Sequence]) -> tuple[torch.Tensor, list[tuple[Sequence, int]],
-                                                               list[tuple[Sequence, int, int]]]:
+    def forward(
+        self, plan, running: list[Sequence]
+    ) -> tuple[torch.Tensor, list[tuple[Sequence, int]], list[tuple[Sequence, int, int]]]:
         """Run the scheduled tokens through the model. Returns the logits [rows, vocab], the sequences whose
         next token is due, each with its first row (one row, or 1 + k to verify k drafts), in row order, and the
         rows that predict prompt tokens for prompt logprobs (StepInputs.prompt_rows); execute_model samples from
@@ -112,24 +141,36 @@ class ModelRunner:
         num_tokens = sum(num_new for _, num_new in plan.batch)
         longest = max(len(self.block_manager.block_tables[seq.seq_id]) for seq, _ in plan.batch)
         if not self.buffers.fits(num_tokens, len(plan.batch), longest):  # a larger token budget than at the start
-            self.make_buffers(max(num_tokens, self.config.max_num_batched_tokens),
-                              max(len(plan.batch), self.config.max_num_seqs),
-                              max(longest, self.buffers.block_tables.shape[1]))
+            self.make_buffers(
+                max(num_tokens, self.config.max_num_batched_tokens),
+                max(len(plan.batch), self.config.max_num_seqs),
+                max(longest, self.buffers.block_tables.shape[1]),
+            )
         pad_sizes = () if self.decode_graphs is None else self.decode_graphs.sizes
         inputs = step_inputs(self.block_manager, plan.batch, self.device, self.buffers, pad_sizes)
         self.kv_written = True  # from here on, blocks and tier slots taken this step may be overwritten
-        with contextlib.nullcontext() if self.executor is None else \
-                self.executor.execute_model(inputs, plan.blocks_to_copy):   # the other ranks run the same step
+        with (
+            contextlib.nullcontext()
+            if self.executor is None
+            else self.executor.execute_model(inputs, plan.blocks_to_copy)
+        ):  # the other ranks run the same step
             self.apply_copies(plan)
             self.kv_connector.start_load_kv(self.kv_cache, plan.kv_connector_metadata)  # K/V computed elsewhere
             forward_started = time.perf_counter()
             self.last_prepare_time = forward_started - started
             if inputs.padded_size is None:
-                logits = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
-                                            inputs.logits_indices, lora=lora_batch)
-            else:   # a decode batch padded to a captured size: its real rows' logits
-                logits = self.decode_graphs.run(inputs.padded_size, inputs.input_ids, inputs.positions, inputs.meta,
-                                                inputs.logits_indices)[:len(plan.batch)]
+                logits = self.model.forward(
+                    inputs.input_ids,
+                    inputs.positions,
+                    inputs.meta,
+                    self.kv_cache,
+                    inputs.logits_indices,
+                    lora=lora_batch,
+                )
+            else:  # a decode batch padded to a captured size: its real rows' logits
+                logits = self.decode_graphs.run(
+                    inputs.padded_size, inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices
+                )[: len(plan.batch)]
             self.last_forward_time = time.perf_counter() - forward_started
         if self.prefix_tier is not None:  # the step's new cached blocks, stored as computed
             self.prefix_tier.store(plan.cached_blocks)
@@ -159,45 +200,58 @@ class ModelRunner:
             if plain_rows != list(range(logits.shape[0])):  # forks share their parent's row; verifies take k + 1
                 logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
             else:
-                logits_plain = logits                                                      # [len(plain), vocab]
+                logits_plain = logits  # [len(plain), vocab]
             seqs = [sampled[i][0] for i in plain]
-            picked = sample(logits_plain, [seq.params for seq in seqs], [seq.generator for seq in seqs],
-                            self.generator)
+            picked = sample(logits_plain, [seq.params for seq in seqs], [seq.generator for seq in seqs], self.generator)
             for i, token in zip(plain, picked):
                 tokens[i] = [token]
         for i, (seq, row) in enumerate(sampled):
             if seq.spec_token_ids:
-                tokens[i] = self.speculator.verify(seq, logits[row:row + 1 + len(seq.spec_token_ids)],  # [1 + k, vocab]
-                                                   self.generator)
+                tokens[i] = self.speculator.verify(
+                    seq,
+                    logits[row : row + 1 + len(seq.spec_token_ids)],  # [1 + k, vocab]
+                    self.generator,
+                )
                 self.speculator.record(seq, tokens[i])
         return tokens
 
-    def logprobs(self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]],
-                 logits: torch.Tensor) -> list[tuple[Sequence, list[dict[int, Logprob]]]]:
+    def logprobs(
+        self, sampled: list[tuple[Sequence, int]], tokens: list[list[int]], logits: torch.Tensor
+    ) -> list[tuple[Sequence, list[dict[int, Logprob]]]]:
         """Each sequence whose params ask for logprobs, with one entry per token it is about to append: token j of
         a sequence came from its row + j (one row, or the rows that verified its drafts)."""
         wanted = [i for i, (seq, _) in enumerate(sampled) if seq.params.logprobs is not None]
         if not wanted:
             return []
         rows = [sampled[i][1] + j for i in wanted for j in range(len(tokens[i]))]
-        flat = token_logprobs(logits.index_select(0, torch.tensor(rows, device=logits.device)),  # [len(rows), vocab]
-                              [token for i in wanted for token in tokens[i]],
-                              [sampled[i][0].params.logprobs for i in wanted for _ in tokens[i]])
+        flat = token_logprobs(
+            logits.index_select(0, torch.tensor(rows, device=logits.device)),  # [len(rows), vocab]
+            [token for i in wanted for token in tokens[i]],
+            [sampled[i][0].params.logprobs for i in wanted for _ in tokens[i]],
+        )
         entries = []
         for i in wanted:
-            entries.append((sampled[i][0], flat[:len(tokens[i])]))
-            flat = flat[len(tokens[i]):]
+            entries.append((sampled[i][0], flat[: len(tokens[i])]))
+            flat = flat[len(tokens[i]) :]
         return entries
 
-    def prompt_logprobs(self, prompt_rows: list[tuple[Sequence, int, int]],
-                        logits: torch.Tensor) -> list[tuple[Request, list[dict[int, Logprob]]]]:
+    def prompt_logprobs(
+        self, prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor
+    ) -> list[tuple[Request, list[dict[int, Logprob]]]]:
         """The prompt tokens this step's rows predict, scored for each request (a chunk's rows follow the ones
         before it: row first_row predicts prompt token len(request.prompt_logprobs) + 1)."""
         scored = []
         for seq, first_row, count in prompt_rows:
             request = seq.request
             position = len(request.prompt_logprobs)
-            scored.append((request, token_logprobs(logits[first_row:first_row + count],          # [count, vocab]
-                                                   request.prompt_token_ids[position + 1:position + 1 + count],
-                                                   [request.params.prompt_logprobs] * count)))
+            scored.append(
+                (
+                    request,
+                    token_logprobs(
+                        logits[first_row : first_row + count],  # [count, vocab]
+                        request.prompt_token_ids[position + 1 : position + 1 + count],
+                        [request.params.prompt_logprobs] * count,
+                    ),
+                )
+            )
         return scored

@@ -50,28 +50,44 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> None:
         model = self.model
-        self.kv_cache = KVCache(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size,
-                                dtype=model.dtype, device=model.device)
+        self.kv_cache = KVCache(
+            len(model.layers),
+            model.num_kv_heads,
+            model.head_dim,
+            num_blocks,
+            block_size,
+            dtype=model.dtype,
+            device=model.device,
+        )
 
     def execute_model(self, step: dict) -> None:
         """The step's block copies, then the forward pass on this rank's shard (whose logits rank 0 gathers)."""
-        step = {name: value.to(self.model.device) if isinstance(value, torch.Tensor) else value
-                for name, value in step.items()}
+        step = {
+            name: value.to(self.model.device) if isinstance(value, torch.Tensor) else value
+            for name, value in step.items()
+        }
         if step["blocks_to_copy"]:
             sources, targets = zip(*step["blocks_to_copy"])
             self.kv_cache.copy_blocks(list(sources), list(targets))
         meta = step["meta"]
-        meta.__dict__.update({name: value.to(self.model.device) for name, value in vars(meta).items()
-                              if isinstance(value, torch.Tensor)})
+        meta.__dict__.update(
+            {name: value.to(self.model.device) for name, value in vars(meta).items() if isinstance(value, torch.Tensor)}
+        )
         self.model.forward(step["input_ids"], step["positions"], meta, self.kv_cache, step["logits_indices"])
 
     def kv_cache_info(self) -> dict:
         """This rank's pool: which KV heads of the whole model it holds, and its size."""
         shard, pool = self.group.shard, self.kv_cache
-        return {"rank": self.group.rank, "kv_head_ids": list(shard.kv_heads), "q_head_ids": list(shard.q_heads),
-                "num_blocks": pool.num_blocks, "block_size": pool.block_size, "pool_bytes": pool.nbytes,
-                "bytes_per_token": pool.nbytes // (pool.num_blocks * pool.block_size),
-                "shape": tuple(pool.storage.shape)}
+        return {
+            "rank": self.group.rank,
+            "kv_head_ids": list(shard.kv_heads),
+            "q_head_ids": list(shard.q_heads),
+            "num_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "pool_bytes": pool.nbytes,
+            "bytes_per_token": pool.nbytes // (pool.num_blocks * pool.block_size),
+            "shape": tuple(pool.storage.shape),
+        }
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """K and V of these blocks in every layer, [2, layers, len(block_ids), block_size, its KV heads, head_dim],
@@ -87,20 +103,22 @@ def run_worker(rank: int, size: int, address: str, port: int, num_threads: int |
     from transformers.utils import logging as hf_logging
 
     from paged.model.loader import load_model
-    hf_logging.disable_progress_bar()   # rank 0 shows how the loading goes
+
+    hf_logging.disable_progress_bar()  # rank 0 shows how the loading goes
     if num_threads:
         torch.set_num_threads(num_threads)
     store = dist.TCPStore(address, port, size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
-    init = pickle.loads(store.get("paged/init"))       # what rank 0 put there for every rank
+    init = pickle.loads(store.get("paged/init"))  # what rank 0 put there for every rank
     device = torch.device(init["device"], rank if init["device"] == "cuda" else None)
     group = TensorParallelGroup(rank, size, store, device)
-    model, _ = load_model(init["model"], None, device, init["dtype"], init["backend"], with_tokenizer=False,
-                          tensor_parallel=group)
+    model, _ = load_model(
+        init["model"], None, device, init["dtype"], init["backend"], with_tokenizer=False, tensor_parallel=group
+    )
     worker = Worker(group, model)
     while True:
         try:
             kind, method, args = group.receive_object()
-        except RuntimeError:   # rank 0 is gone
+        except RuntimeError:  # rank 0 is gone
             return
         if kind == "stop":
             return
@@ -116,8 +134,9 @@ def spawn_ranks() -> bool:
 
 class Health:
     """Whether the ranks can still run a step, shared with the watcher thread and the finalizer."""
-    failure: str | None = None      # why not
-    closed: bool = False            # shut down on purpose
+
+    failure: str | None = None  # why not
+    closed: bool = False  # shut down on purpose
 
 
 class MultiprocExecutor:
@@ -126,38 +145,41 @@ class MultiprocExecutor:
 
     def __init__(self, group: TensorParallelGroup, processes: list):
         self.group, self.processes = group, processes
-        self.local_worker: Worker | None = None       # rank 0's own, set once the engine has its pool
+        self.local_worker: Worker | None = None  # rank 0's own, set once the engine has its pool
         self.health = Health()
         self._finalizer = weakref.finalize(self, close, self.health, processes)
         if processes:
-            threading.Thread(target=watch, args=(self.health, processes), name="paged-tp-watcher",
-                             daemon=True).start()
+            threading.Thread(target=watch, args=(self.health, processes), name="paged-tp-watcher", daemon=True).start()
 
     @classmethod
     def start(cls, size: int, model, dtype, device: torch.device, backend: str) -> "MultiprocExecutor":
         """Rank 0 of `size`: spawn the workers on this machine, or, started by a torchrun-style launcher, wait for
         the ranks it started (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
         import pickle
+
         if spawn_ranks():
             address, port = "127.0.0.1", 0
         else:
             address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             if (int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])) != (size, 0):
-                raise ValueError(f"tensor_parallel_size is {size} and this process is RANK {os.environ['RANK']} of "
-                                 f"WORLD_SIZE {os.environ['WORLD_SIZE']}: the engine runs on RANK 0 of a world of "
-                                 f"tensor_parallel_size ranks; the other ranks run `python -m paged worker`")
-        store = dist.TCPStore(address, port, size, is_master=True, timeout=RENDEZVOUS_TIMEOUT,
-                              wait_for_workers=False)
+                raise ValueError(
+                    f"tensor_parallel_size is {size} and this process is RANK {os.environ['RANK']} of "
+                    f"WORLD_SIZE {os.environ['WORLD_SIZE']}: the engine runs on RANK 0 of a world of "
+                    f"tensor_parallel_size ranks; the other ranks run `python -m paged worker`"
+                )
+        store = dist.TCPStore(address, port, size, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
         model_spec = model.cpu() if isinstance(model, torch.nn.Module) else model  # the workers unpickle it
-        store.set("paged/init", pickle.dumps({"model": model_spec, "dtype": dtype, "device": device.type,
-                                              "backend": backend}))
+        store.set(
+            "paged/init", pickle.dumps({"model": model_spec, "dtype": dtype, "device": device.type, "backend": backend})
+        )
         processes = []
         if spawn_ranks():
             context = torch.multiprocessing.get_context("spawn")
             threads = max(1, (os.cpu_count() or 1) // size)
             for rank in range(1, size):
-                process = context.Process(target=run_worker, args=(rank, size, address, store.port, threads),
-                                          name=f"rank {rank}", daemon=True)
+                process = context.Process(
+                    target=run_worker, args=(rank, size, address, store.port, threads), name=f"rank {rank}", daemon=True
+                )
                 process.start()
                 processes.append(process)
         try:
@@ -184,11 +206,12 @@ class MultiprocExecutor:
     def _failed(self, error: BaseException) -> RuntimeError:
         """The ranks are out of step (a worker died, or a step was cut short): no further step may run."""
         for process in self.processes:
-            process.join(timeout=2)      # a dead worker's exit code
+            process.join(timeout=2)  # a dead worker's exit code
         if self.health.failure is None:
             dead = [p for p in self.processes if p.exitcode is not None]
-            self.health.failure = ", ".join(died(p) for p in dead) or \
-                f"a step was cut short ({type(error).__name__}: {error})"
+            self.health.failure = (
+                ", ".join(died(p) for p in dead) or f"a step was cut short ({type(error).__name__}: {error})"
+            )
         return RuntimeError(f"the tensor-parallel engine cannot run: {self.health.failure}; make a new LLM")
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> None:
@@ -198,10 +221,21 @@ class MultiprocExecutor:
     def execute_model(self, inputs, blocks_to_copy: list[tuple[int, int]]):
         """Send the step to every worker; inside, rank 0 makes its copies and runs its forward pass. Anything
         raised before rank 0's forward pass ends leaves the ranks out of step: the executor fails."""
-        self._send(("call", "execute_model", ({
-            "input_ids": on_cpu(inputs.input_ids), "positions": on_cpu(inputs.positions),
-            "logits_indices": on_cpu(inputs.logits_indices), "blocks_to_copy": list(blocks_to_copy),
-            "meta": meta_on_cpu(inputs.meta)},)))
+        self._send(
+            (
+                "call",
+                "execute_model",
+                (
+                    {
+                        "input_ids": on_cpu(inputs.input_ids),
+                        "positions": on_cpu(inputs.positions),
+                        "logits_indices": on_cpu(inputs.logits_indices),
+                        "blocks_to_copy": list(blocks_to_copy),
+                        "meta": meta_on_cpu(inputs.meta),
+                    },
+                ),
+            )
+        )
         try:
             yield
         except BaseException as error:
@@ -214,8 +248,9 @@ class MultiprocExecutor:
         """Every rank's answer to Worker.method(*args), rank 0's first (vLLM's collective_rpc)."""
         self._send(("rpc", method, tuple(args)))
         try:
-            return [getattr(self.local_worker, method)(*args)] + \
-                [self.group.receive_from(rank) for rank in range(1, self.group.size)]
+            return [getattr(self.local_worker, method)(*args)] + [
+                self.group.receive_from(rank) for rank in range(1, self.group.size)
+            ]
         except RuntimeError as error:
             raise self._failed(error) from error
 
@@ -266,6 +301,7 @@ def on_cpu(tensor: torch.Tensor) -> torch.Tensor:
 def meta_on_cpu(meta):
     """A copy of AttentionMetadata with its tensors on the CPU, for pickling to the other ranks."""
     import copy
+
     meta = copy.copy(meta)
     meta.__dict__.update({name: on_cpu(value) for name, value in vars(meta).items() if isinstance(value, torch.Tensor)})
     return meta

@@ -31,7 +31,7 @@ class OutputProcessor:
             decode_logprobs(entries, self.tokenizer)
             request.prompt_logprobs += entries
         for seq, entries in output.logprobs:
-            entries = entries[:seq.num_tokens - seq.num_prompt_tokens - len(seq.logprobs)]
+            entries = entries[: seq.num_tokens - seq.num_prompt_tokens - len(seq.logprobs)]
             decode_logprobs(entries, self.tokenizer)
             seq.logprobs += entries
         return self.stop_strings(output.seqs, output.sampled_token_ids)
@@ -45,7 +45,7 @@ class OutputProcessor:
                 continue
             output = seq.output_token_ids
             text = self.decode(output)
-            before = self.decode(output[:max(0, len(output) - len(new_tokens))])
+            before = self.decode(output[: max(0, len(output) - len(new_tokens))])
             new_char_count = len(text) - len(os.path.commonprefix([before, text]))
             found = check_stop_strings(text, new_char_count, seq.params.stop, seq.params.include_stop_str_in_output)
             if found is not None:
@@ -55,23 +55,36 @@ class OutputProcessor:
     def make_request_output(self, request: Request) -> RequestOutput:
         outputs = []
         for seq in request.seqs:
-            output = CompletionOutput(seq.index, self.text(seq), list(seq.output_token_ids), seq.finish_reason,
-                                      stop_reason=self.stop_reason(seq))
+            output = CompletionOutput(
+                seq.index,
+                self.text(seq),
+                list(seq.output_token_ids),
+                seq.finish_reason,
+                stop_reason=self.stop_reason(seq),
+            )
             if seq.params.logprobs is not None:
                 output.logprobs = list(seq.logprobs)
-                output.cumulative_logprob = sum(entry[token].logprob
-                                                for entry, token in zip(seq.logprobs, seq.output_token_ids))
+                output.cumulative_logprob = sum(
+                    entry[token].logprob for entry, token in zip(seq.logprobs, seq.output_token_ids)
+                )
             outputs.append(output)
         prompt_logprobs = None if request.params.prompt_logprobs is None else [None, *request.prompt_logprobs]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.is_finished, request.metrics, prompt_logprobs)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            request.is_finished,
+            request.metrics,
+            prompt_logprobs,
+        )
 
     def text(self, seq: Sequence) -> str:
         """A completion's text; one a stop string ended is cut before it (after it with include_stop_str_in_output)."""
         text = self.decode(seq.output_token_ids)
         if seq.stop_reason is None:
             return text
-        return text[:check_stop_strings(text, len(text), [seq.stop_reason], seq.params.include_stop_str_in_output)[1]]
+        return text[: check_stop_strings(text, len(text), [seq.stop_reason], seq.params.include_stop_str_in_output)[1]]
 
     def stop_reason(self, seq: Sequence) -> str | int | None:
         """vLLM's stop_reason: the stop string that ended the completion, or its stop token id; None after EOS."""

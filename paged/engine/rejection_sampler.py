@@ -47,24 +47,31 @@ def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> list[int
     num_accepted = 0
     while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == target_tokens[num_accepted]:
         num_accepted += 1
-    return target_tokens[:num_accepted + 1]
+    return target_tokens[: num_accepted + 1]
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor | None,
-                     generator: torch.Generator | None) -> list[int]:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
     """target_probs [k + 1, vocab] (p, filtered); draft_probs [k, vocab] (q) or None for a one-hot proposer.
     Returns the 1..k + 1 tokens to append."""
     out = []
     for j, token in enumerate(draft_tokens):
-        p = target_probs[j]                                                   # [vocab]
+        p = target_probs[j]  # [vocab]
         q_token = 1.0 if draft_probs is None else float(draft_probs[j, token])
         u = float(torch.rand((), generator=generator, device=p.device))
-        if u * q_token < float(p[token]):                                     # u < p(d) / q(d)
+        if u * q_token < float(p[token]):  # u < p(d) / q(d)
             out.append(token)
             continue
-        q = torch.zeros_like(p).index_fill_(0, torch.tensor([token], device=p.device), 1.0) \
-            if draft_probs is None else draft_probs[j]
-        residual = (p - q).clamp_min_(0)                                      # [vocab]
+        q = (
+            torch.zeros_like(p).index_fill_(0, torch.tensor([token], device=p.device), 1.0)
+            if draft_probs is None
+            else draft_probs[j]
+        )
+        residual = (p - q).clamp_min_(0)  # [vocab]
         if float(residual.sum()) <= 0:  # p == q up to rounding: a rejection had probability ~0
             residual = p
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
@@ -78,7 +85,7 @@ def seeded_accept(target_probs: torch.Tensor, draft_tokens: list[int], generator
     draws are the noise of the positions verified, one per token emitted. Returns the 1..k + 1 tokens to append:
     the drafts that equal plain seeded sampling's token at their position, then its token at the next one."""
     out = []
-    for j, p in enumerate(target_probs[:len(draft_tokens) + 1]):                  # p: [vocab]
+    for j, p in enumerate(target_probs[: len(draft_tokens) + 1]):  # p: [vocab]
         out.append(seeded_token(p, exponential_noise(p, generator)))
         if j == len(draft_tokens) or out[j] != draft_tokens[j]:
             break

@@ -31,14 +31,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
 
     logits [rows, vocab], raw (no temperature); token_ids, num_top: one per row.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)                                  # [rows, vocab]
-    chosen = torch.tensor(token_ids, device=logits.device)[:, None]                       # [rows, 1]
-    chosen_logprobs = logprobs.gather(1, chosen)                                          # [rows, 1]
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1                                  # [rows]
-    top_logprobs, top_ids = logprobs.topk(max(num_top), dim=-1)                           # [rows, max k]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
+    chosen = torch.tensor(token_ids, device=logits.device)[:, None]  # [rows, 1]
+    chosen_logprobs = logprobs.gather(1, chosen)  # [rows, 1]
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [rows]
+    top_logprobs, top_ids = logprobs.topk(max(num_top), dim=-1)  # [rows, max k]
     entries = []
-    for row, (token, logprob, rank, k) in enumerate(zip(token_ids, chosen_logprobs[:, 0].tolist(), ranks.tolist(),
-                                                        num_top)):
+    for row, (token, logprob, rank, k) in enumerate(
+        zip(token_ids, chosen_logprobs[:, 0].tolist(), ranks.tolist(), num_top)
+    ):
         entry = {token: Logprob(logprob, rank)}
         for i, (other, other_logprob) in enumerate(zip(top_ids[row, :k].tolist(), top_logprobs[row, :k].tolist())):
             entry.setdefault(other, Logprob(other_logprob, i + 1))
@@ -55,8 +56,9 @@ def decode_logprobs(entries: list[dict[int, Logprob]], tokenizer) -> None:
             logprob.decoded_token = tokenizer.decode([token_id])
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Each row's sampling distribution: its logits divided by its temperature, then min-p, top-k and top-p applied
     in that order (vLLM V1's), each removed token given probability zero.
 
@@ -64,28 +66,30 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     Returns probabilities [rows, vocab], fp32.
     """
     rows, vocab = logits.shape
-    scaled = logits.float() / temperature[:, None]                              # [rows, vocab]
+    scaled = logits.float() / temperature[:, None]  # [rows, vocab]
     if bool((min_p > 0).any()):
         probs = scaled.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]           # [rows, 1]
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [rows, 1]
         scaled = scaled.masked_fill(probs < threshold, float("-inf"))
     if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
-        ascending, order = scaled.sort(dim=-1)                                   # [rows, vocab], smallest first
-        kth_largest = ascending.gather(1, (vocab - top_k)[:, None])              # [rows, 1]
+        ascending, order = scaled.sort(dim=-1)  # [rows, vocab], smallest first
+        kth_largest = ascending.gather(1, (vocab - top_k)[:, None])  # [rows, 1]
         ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))  # ties with the k-th stay
-        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)                    # of the top-k, renormalised
+        mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)  # of the top-k, renormalised
         drop = mass_up_to <= (1 - top_p)[:, None]  # the least likely tokens while what is left still reaches top_p
-        drop[:, -1] = False                                                      # the most likely token stays
+        drop[:, -1] = False  # the most likely token stays
         scaled = torch.empty_like(scaled).scatter_(-1, order, ascending.masked_fill(drop, float("-inf")))
     return scaled.softmax(dim=-1)
 
 
 def filter_params(params: list[SamplingParams], vocab: int, device) -> tuple[torch.Tensor, ...]:
     """The filter_logits tensors for one row per params: temperature, top_k (vocab for "all"), top_p, min_p."""
-    return (torch.tensor([p.temperature for p in params], device=device),
-            torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device))
+    return (
+        torch.tensor([p.temperature for p in params], device=device),
+        torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
+        torch.tensor([p.top_p for p in params], device=device),
+        torch.tensor([p.min_p for p in params], device=device),
+    )
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -97,11 +101,11 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     logits [rows, vocab] -> int64 [rows].
     """
     rows, vocab = logits.shape
-    chunk = math.gcd(vocab, 256)                                 # a chunk size that divides the vocabulary
-    if chunk < 64:                                               # none worth the second pass: argmax itself
+    chunk = math.gcd(vocab, 256)  # a chunk size that divides the vocabulary
+    if chunk < 64:  # none worth the second pass: argmax itself
         return logits.argmax(dim=-1)
-    chunks = logits.unflatten(-1, (vocab // chunk, chunk))       # [rows, vocab / chunk, chunk], a view
-    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)              # [rows]
+    chunks = logits.unflatten(-1, (vocab // chunk, chunk))  # [rows, vocab / chunk, chunk], a view
+    best_chunk = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]
     within = chunks[torch.arange(rows, device=logits.device), best_chunk].argmax(dim=-1)  # [rows]
     return best_chunk * chunk + within
 
@@ -127,23 +131,28 @@ def inverse_cdf_tokens(probs: torch.Tensor, generator: torch.Generator) -> torch
     The same distribution as torch.multinomial(probs, 1), from one random number a row instead of one a token: on a
     CPU, drawing a random number for each of 49,152 tokens of 64 rows takes tens of milliseconds, more than the rest
     of the sampler. probs [rows, vocab] -> int64 [rows]."""
-    totals = probs.cumsum(dim=-1)                                                  # [rows, vocab]
-    total = totals[:, -1:]                                                         # [rows, 1]
+    totals = probs.cumsum(dim=-1)  # [rows, vocab]
+    total = totals[:, -1:]  # [rows, 1]
     uniform = torch.rand(total.shape, generator=generator, device=probs.device) * total
     uniform = torch.minimum(uniform, torch.nextafter(total, torch.zeros_like(total)))  # below the total, always
     return torch.searchsorted(totals, uniform, right=True)[:, 0]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> list[int]:
     """logits [rows, vocab] fp32, one row per sequence; returns one token id per row. Unseeded rows share
     default_generator in one inverse-CDF draw; a seeded row draws its position's noise from its own generator."""
-    tokens = greedy_tokens(logits)                                              # [rows]; right for greedy rows
+    tokens = greedy_tokens(logits)  # [rows]; right for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = filter_logits(logits[rows], *filter_params([params[i] for i in random_rows], logits.shape[-1],
-                                                            logits.device))
+        probs = filter_logits(
+            logits[rows], *filter_params([params[i] for i in random_rows], logits.shape[-1], logits.device)
+        )
         shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
         if shared:
             tokens[rows[shared]] = inverse_cdf_tokens(probs[shared], default_generator)

@@ -8,8 +8,9 @@ stop string could end in the new text, and take the first stop string of the lis
 """
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: list[str] | tuple[str, ...],
-                       include_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str] | tuple[str, ...], include_in_output: bool
+) -> tuple[str, int] | None:
     """The stop string found in the text's last new_char_count characters (or ending in them), with the length
     the text is cut to; None if there is none. Earlier text was searched when it was new."""
     if not new_char_count or not stop:

@@ -16,16 +16,25 @@ Triton is not installed that raises ModuleNotFoundError with the line triton_mis
 import importlib
 import importlib.util
 
-_TRITON_OPS = ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "launch_decode",
-               "launch_prefill", "write_cache", "MAX_SPLITS")
+_TRITON_OPS = (
+    "reshape_and_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "launch_decode",
+    "launch_prefill",
+    "write_cache",
+    "MAX_SPLITS",
+)
 
 
 def triton_missing() -> str | None:
     """None where Triton can be imported; otherwise one line that says why its kernels cannot run here."""
     if importlib.util.find_spec("triton") is not None:
         return None
-    return ("Triton is not installed here (pip has it for Linux only), so the Triton kernels cannot run; the "
-            "engine attends with the C++ kernel or the torch reference instead")
+    return (
+        "Triton is not installed here (pip has it for Linux only), so the Triton kernels cannot run; the "
+        "engine attends with the C++ kernel or the torch reference instead"
+    )
 
 
 def __getattr__(name: str):

@@ -39,8 +39,8 @@ ISA_FLAGS = {  # torch's own vector level on this CPU -> the compiler flags that
 }
 OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple's clang rejects -fopenmp
 
-_ops = None          # torch.ops.paged_cpu once loaded
-_failure = None      # why it could not be built, once known
+_ops = None  # torch.ops.paged_cpu once loaded
+_failure = None  # why it could not be built, once known
 
 
 def build_flags() -> list[str]:
@@ -50,8 +50,9 @@ def build_flags() -> list[str]:
 
 def library_name() -> str:
     """A name that changes whenever the sources, the flags or torch change, so a cached build is never stale."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)
-                            + " ".join(build_flags() + [torch.__version__]).encode())
+    digest = hashlib.sha256(
+        b"".join(source.read_bytes() for source in SOURCES) + " ".join(build_flags() + [torch.__version__]).encode()
+    )
     return f"paged_cpu_attention_{digest.hexdigest()[:12]}"
 
 
@@ -76,18 +77,33 @@ def load():
             torch.ops.load_library(str(library))
         else:
             if compiler() is None:
-                raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r}; "
-                                   f"set CXX to name one)")
-            print(f"Building the CPU paged-attention kernel ({', '.join(s.name for s in SOURCES)}; once, "
-                  f"about a minute)...", file=sys.stderr, flush=True)
+                raise RuntimeError(
+                    f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r}; set CXX to name one)"
+                )
+            print(
+                f"Building the CPU paged-attention kernel ({', '.join(s.name for s in SOURCES)}; once, "
+                f"about a minute)...",
+                file=sys.stderr,
+                flush=True,
+            )
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name, [str(s) for s in SOURCES], extra_cflags=build_flags(), extra_ldflags=OPENMP,
-                               build_directory=str(build_dir), is_python_module=False)
+            cpp_extension.load(
+                name,
+                [str(s) for s in SOURCES],
+                extra_cflags=build_flags(),
+                extra_ldflags=OPENMP,
+                build_directory=str(build_dir),
+                is_python_module=False,
+            )
             print(f"Built and cached in {build_dir}", file=sys.stderr, flush=True)
     except Exception as error:  # no compiler, no ninja, a failed build: say so once and let the caller fall back
         _failure = _reason(error)
-        warnings.warn(f"the CPU paged-attention kernel could not be built ({_failure}); the engine attends with "
-                      f"the torch reference (paged.model.attention) instead, which is slower", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"the CPU paged-attention kernel could not be built ({_failure}); the engine attends with "
+            f"the torch reference (paged.model.attention) instead, which is slower",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     _ops = torch.ops.paged_cpu
     return _ops
@@ -95,7 +111,7 @@ def load():
 
 def missing() -> str | None:
     """None where the library is built (or loads from the cache); otherwise one line that says why it is not."""
-    with warnings.catch_warnings():      # the line returned says it instead
+    with warnings.catch_warnings():  # the line returned says it instead
         warnings.simplefilter("ignore", RuntimeWarning)
         if load() is not None:
             return None
@@ -118,8 +134,10 @@ def _require():
 
 def _check_on_cpu(key_cache):
     if key_cache.device.type != "cpu":
-        raise ValueError(f"key_cache is on {key_cache.device}: this kernel runs on the CPU "
-                         f"(the Triton kernels in `paged.kernels` serve a GPU)")
+        raise ValueError(
+            f"key_cache is on {key_cache.device}: this kernel runs on the CPU "
+            f"(the Triton kernels in `paged.kernels` serve a GPU)"
+        )
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
@@ -127,8 +145,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     slot = block_id * block_size + offset, -1 skips a token. Keys and values are cast to the pool's dtype."""
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     _check_on_cpu(key_cache)
-    _require().reshape_and_cache(key.to(key_cache.dtype), value.to(key_cache.dtype), key_cache, value_cache,
-                                 slot_mapping)
+    _require().reshape_and_cache(
+        key.to(key_cache.dtype), value.to(key_cache.dtype), key_cache, value_cache, slot_mapping
+    )
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale):

@@ -37,31 +37,43 @@ import torch
 from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
 LOG2E = 1.4426950408889634
-MIN_TILE = 32          # tokens per K/V tile when blocks are smaller than this
+MIN_TILE = 32  # tokens per K/V tile when blocks are smaller than this
 MAX_SPLITS = 64
 
 
 @triton.jit
 def decode_v2_split_kernel(
-    partial_out_ptr,                          # [num_seqs, num_heads, num_splits, head_dim]
-    partial_lse_ptr,                          # [num_seqs, num_heads, num_splits]
-    query_ptr,                                # [num_seqs, num_heads, head_dim]
-    key_cache_ptr, value_cache_ptr,           # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables_ptr,                         # int32 [num_seqs, max_blocks_per_seq]
-    context_lens_ptr,                         # int32 [num_seqs]
-    qk_scale,                                 # scale * log2(e)
-    stride_ps, stride_ph, stride_pp, stride_pd,
-    stride_ls, stride_lh, stride_lp,
-    stride_qs, stride_qh, stride_qd,
-    stride_cb, stride_cs, stride_ch, stride_cd,
-    stride_bts, stride_btb,
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim]
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits]
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
+    context_lens_ptr,  # int32 [num_seqs]
+    qk_scale,  # scale * log2(e)
+    stride_ps,
+    stride_ph,
+    stride_pp,
+    stride_pd,
+    stride_ls,
+    stride_lh,
+    stride_lp,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_cd,
+    stride_bts,
+    stride_btb,
     head_dim,
-    GROUP: tl.constexpr,                      # query heads per KV head
+    GROUP: tl.constexpr,  # query heads per KV head
     NUM_SPLITS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,                 # tokens per cache block (a power of two)
-    BLOCK_N: tl.constexpr,                    # tokens per tile, a multiple of BLOCK_SIZE, >= 16
-    BLOCK_G: tl.constexpr,                    # GROUP rounded up to a power of two, >= 16
-    BLOCK_D: tl.constexpr,                    # head_dim rounded up to a power of two, >= 16
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block (a power of two)
+    BLOCK_N: tl.constexpr,  # tokens per tile, a multiple of BLOCK_SIZE, >= 16
+    BLOCK_G: tl.constexpr,  # GROUP rounded up to a power of two, >= 16
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two, >= 16
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,56 +86,74 @@ def decode_v2_split_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g                                                      # [BLOCK_G] query heads
+    heads = kv_head * GROUP + g  # [BLOCK_G] query heads
     g_mask = g < GROUP
     d_mask = d < head_dim
-    q = tl.load(query_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                   # [BLOCK_G, BLOCK_D]
+    q = tl.load(
+        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
 
     n = tl.arange(0, BLOCK_N)
-    m = tl.full([BLOCK_G], -float("inf"), tl.float32)                                # running max (log2 units)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)                                        # running sum of exp2
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)                             # running sum of p @ V
+    m = tl.full([BLOCK_G], -float("inf"), tl.float32)  # running max (log2 units)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)  # running sum of p @ V
     for tile in range(tile_lo, tile_hi):
-        token = tile * BLOCK_N + n                                                   # [BLOCK_N] positions
-        in_context = token < context_len                                             # tail mask
-        physical = tl.load(block_tables_ptr + seq * stride_bts + (token // BLOCK_SIZE) * stride_btb,
-                           mask=in_context, other=0).to(tl.int64)                    # [BLOCK_N] block ids
-        offs = (physical[:, None] * stride_cb + (token % BLOCK_SIZE)[:, None] * stride_cs
-                + kv_head * stride_ch + d[None, :] * stride_cd)                      # [BLOCK_N, BLOCK_D]
+        token = tile * BLOCK_N + n  # [BLOCK_N] positions
+        in_context = token < context_len  # tail mask
+        physical = tl.load(
+            block_tables_ptr + seq * stride_bts + (token // BLOCK_SIZE) * stride_btb, mask=in_context, other=0
+        ).to(tl.int64)  # [BLOCK_N] block ids
+        offs = (
+            physical[:, None] * stride_cb
+            + (token % BLOCK_SIZE)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + d[None, :] * stride_cd
+        )  # [BLOCK_N, BLOCK_D]
         kv_mask = in_context[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)                   # [BLOCK_N, BLOCK_D]
+        k = tl.load(key_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(value_cache_ptr + offs, mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale          # [BLOCK_G, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(in_context[None, :], scores, -float("inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))    # finite: every tile holds >= 1 token
-        alpha = tl.exp2(m - m_new)                                                   # [BLOCK_G]
-        p = tl.exp2(scores - m_new[:, None])                                         # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: every tile holds >= 1 token
+        alpha = tl.exp2(m - m_new)  # [BLOCK_G]
+        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
-    l_safe = tl.where(l > 0, l, 1.0)                     # an empty split keeps l = 0, acc = 0
-    out = acc / l_safe[:, None]                                                      # [BLOCK_G, BLOCK_D]
-    lse = m + tl.log2(l_safe)                            # -inf for an empty split
+    l_safe = tl.where(l > 0, l, 1.0)  # an empty split keeps l = 0, acc = 0
+    out = acc / l_safe[:, None]  # [BLOCK_G, BLOCK_D]
+    lse = m + tl.log2(l_safe)  # -inf for an empty split
     out_mask = g_mask[:, None] & d_mask[None, :]
-    tl.store(partial_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + split * stride_pp
-             + d[None, :] * stride_pd, out.to(partial_out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(
+        partial_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + split * stride_pp + d[None, :] * stride_pd,
+        out.to(partial_out_ptr.dtype.element_ty),
+        mask=out_mask,
+    )
     tl.store(partial_lse_ptr + seq * stride_ls + heads * stride_lh + split * stride_lp, lse, mask=g_mask)
 
 
 @triton.jit
 def decode_v2_merge_kernel(
-    out_ptr,                                  # [num_seqs, num_heads, head_dim]
-    partial_out_ptr,                          # [num_seqs, num_heads, num_splits, head_dim]
-    partial_lse_ptr,                          # [num_seqs, num_heads, num_splits]
-    stride_os, stride_oh, stride_od,
-    stride_ps, stride_ph, stride_pp, stride_pd,
-    stride_ls, stride_lh, stride_lp,
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim]
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits]
+    stride_os,
+    stride_oh,
+    stride_od,
+    stride_ps,
+    stride_ph,
+    stride_pp,
+    stride_pd,
+    stride_ls,
+    stride_lh,
+    stride_lp,
     head_dim,
     NUM_SPLITS: tl.constexpr,
-    BLOCK_P: tl.constexpr,                    # NUM_SPLITS rounded up to a power of two
+    BLOCK_P: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -132,15 +162,20 @@ def decode_v2_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     p_mask = p < NUM_SPLITS
     d_mask = d < head_dim
-    lse = tl.load(partial_lse_ptr + seq * stride_ls + head * stride_lh + p * stride_lp,
-                  mask=p_mask, other=-float("inf"))                                  # [BLOCK_P]
-    w = tl.exp2(lse - tl.max(lse, axis=0))               # split 0 is never empty, so the max is finite
+    lse = tl.load(
+        partial_lse_ptr + seq * stride_ls + head * stride_lh + p * stride_lp, mask=p_mask, other=-float("inf")
+    )  # [BLOCK_P]
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
     w = w / tl.sum(w, axis=0)
-    part = tl.load(partial_out_ptr + seq * stride_ps + head * stride_ph + p[:, None] * stride_pp
-                   + d[None, :] * stride_pd, mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_P, BLOCK_D]
-    out = tl.sum(w[:, None] * part, axis=0)                                          # [BLOCK_D]
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    part = tl.load(
+        partial_out_ptr + seq * stride_ps + head * stride_ph + p[:, None] * stride_pp + d[None, :] * stride_pd,
+        mask=p_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_P, BLOCK_D]
+    out = tl.sum(w[:, None] * part, axis=0)  # [BLOCK_D]
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 def paged_decode_v2(query, key_cache, value_cache, block_tables, context_lens, scale, num_splits):
@@ -150,17 +185,26 @@ def paged_decode_v2(query, key_cache, value_cache, block_tables, context_lens, s
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)                                                    # [num_seqs, num_heads, head_dim]
+    out = torch.empty_like(query)  # [num_seqs, num_heads, head_dim]
     if num_splits == 1:
-        partial_out = out.unsqueeze(2)                                 # [num_seqs, num_heads, 1, head_dim]
+        partial_out = out.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
     else:
-        partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32,
-                                  device=query.device)
+        partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     decode_v2_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        partial_out, partial_lse, query, key_cache, value_cache, block_tables, context_lens, scale * LOG2E,
-        *partial_out.stride(), *partial_lse.stride(), *query.stride(), *key_cache.stride(),
+        partial_out,
+        partial_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale * LOG2E,
+        *partial_out.stride(),
+        *partial_lse.stride(),
+        *query.stride(),
+        *key_cache.stride(),
         *block_tables.stride(),
         head_dim,
         GROUP=group,
@@ -172,8 +216,12 @@ def paged_decode_v2(query, key_cache, value_cache, block_tables, context_lens, s
     )
     if num_splits > 1:
         decode_v2_merge_kernel[(num_seqs, num_heads)](
-            out, partial_out, partial_lse,
-            *out.stride(), *partial_out.stride(), *partial_lse.stride(),
+            out,
+            partial_out,
+            partial_lse,
+            *out.stride(),
+            *partial_out.stride(),
+            *partial_lse.stride(),
             head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_P=triton.next_power_of_2(num_splits),

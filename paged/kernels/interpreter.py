@@ -37,7 +37,7 @@ def use_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    wrapped = {}                                          # id(JITFunction) -> InterpretedFunction (one per function)
+    wrapped = {}  # id(JITFunction) -> InterpretedFunction (one per function)
     for name, module in list(sys.modules.items()):
         if not name.startswith("triton.language") or module is None:
             continue

@@ -24,37 +24,54 @@ import torch
 
 from paged.kernels.interpreter import tl, triton  # Triton, in its interpreter where there is no GPU
 
-_BLOCK_M = 16          # tokens per program (older Triton releases need at least 16 for tl.dot)
-_BLOCK_N = 64          # output columns per program
-_BLOCK_K = 32          # reduction step
+_BLOCK_M = 16  # tokens per program (older Triton releases need at least 16 for tl.dot)
+_BLOCK_N = 64  # output columns per program
+_BLOCK_K = 32  # reduction step
 
 
 @triton.jit
 def sgmv_kernel(
-    in_ptr, weight_ptr, out_ptr,             # in [num_tokens, K], weight [num_slots, N, K], out [num_tokens, N]
-    seg_start_ptr, seg_end_ptr, seg_slot_ptr,  # int32 [num_segments]
-    N, K,
-    stride_im, stride_ik,
-    stride_ws, stride_wn, stride_wk,
-    stride_om, stride_on,
-    ACCUMULATE: tl.constexpr,                # expand adds into out; shrink overwrites it
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    in_ptr,
+    weight_ptr,
+    out_ptr,  # in [num_tokens, K], weight [num_slots, N, K], out [num_tokens, N]
+    seg_start_ptr,
+    seg_end_ptr,
+    seg_slot_ptr,  # int32 [num_segments]
+    N,
+    K,
+    stride_im,
+    stride_ik,
+    stride_ws,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    ACCUMULATE: tl.constexpr,  # expand adds into out; shrink overwrites it
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m, pid_n, segment = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(seg_start_ptr + segment)
     end = tl.load(seg_end_ptr + segment)
     slot = tl.load(seg_slot_ptr + segment).to(tl.int64)
-    rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)          # [BLOCK_M] token indices
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N] output columns
+    rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token indices
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     row_mask, col_mask = rows < end, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        x = tl.load(in_ptr + rows[:, None] * stride_im + ks[None, :] * stride_ik,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)                    # [BLOCK_M, BLOCK_K]
-        w = tl.load(weight_ptr + slot * stride_ws + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)                    # [BLOCK_K, BLOCK_N]
+        x = tl.load(
+            in_ptr + rows[:, None] * stride_im + ks[None, :] * stride_ik,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            weight_ptr + slot * stride_ws + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(x.to(w.dtype), w, input_precision="ieee")
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
     mask = row_mask[:, None] & col_mask[None, :]
@@ -66,10 +83,27 @@ def sgmv_kernel(
 def _launch(inputs, weight, out, segments, accumulate: bool) -> None:
     num_slots, n, k = weight.shape
     grid = (triton.cdiv(segments.max_len, _BLOCK_M), triton.cdiv(n, _BLOCK_N), len(segments.starts))
-    sgmv_kernel[grid](inputs, weight, out, segments.start_tensor, segments.end_tensor, segments.slot_tensor,
-                      n, k, inputs.stride(0), inputs.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-                      out.stride(0), out.stride(1), ACCUMULATE=accumulate,
-                      BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    sgmv_kernel[grid](
+        inputs,
+        weight,
+        out,
+        segments.start_tensor,
+        segments.end_tensor,
+        segments.slot_tensor,
+        n,
+        k,
+        inputs.stride(0),
+        inputs.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        weight.stride(2),
+        out.stride(0),
+        out.stride(1),
+        ACCUMULATE=accumulate,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K,
+    )
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments) -> torch.Tensor:

@@ -25,16 +25,23 @@ from paged.kernels.decode_v2 import MAX_SPLITS, paged_decode_v2
 from paged.kernels.interpreter import triton
 from paged.kernels.prefill import paged_prefill
 
-__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "launch_decode",
-           "launch_prefill", "write_cache"]
+__all__ = [
+    "reshape_and_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "launch_decode",
+    "launch_prefill",
+    "write_cache",
+]
 
-_TOKENS_PER_SPLIT = 256      # shorter splits leave too little work to pay for the merge (a guess until measured)
+_TOKENS_PER_SPLIT = 256  # shorter splits leave too little work to pay for the merge (a guess until measured)
 
 
 def _refuse_interpreter_bfloat16(key_cache):
     if not key_cache.is_cuda and key_cache.dtype == torch.bfloat16:
-        raise ValueError("key_cache is bfloat16 on a CPU: Triton's interpreter has no bfloat16 dot; "
-                         "use float16 or float32 there")
+        raise ValueError(
+            "key_cache is bfloat16 on a CPU: Triton's interpreter has no bfloat16 dot; use float16 or float32 there"
+        )
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
@@ -50,15 +57,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 def choose_num_splits(num_seqs, num_kv_heads, max_context_len, device):
     """Split long contexts until the grid has about two programs per streaming multiprocessor."""
     if device.type != "cuda":
-        return 1                                   # the interpreter runs programs one after another
+        return 1  # the interpreter runs programs one after another
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(2 * num_sms, num_seqs * num_kv_heads)
     worth_it = triton.cdiv(max_context_len, _TOKENS_PER_SPLIT)
     return max(1, min(wanted, worth_it, MAX_SPLITS))
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           version=None, num_splits=None):
+def paged_decode_attention(
+    query, key_cache, value_cache, block_tables, context_lens, scale, version=None, num_splits=None
+):
     """One new token per sequence attends to its cached context: query [num_seqs, num_heads, head_dim] ->
     [num_seqs, num_heads, head_dim]. version 1 or 2 (None picks 2, the faster; 1 is kept to compare);
     num_splits (version 2 only) cuts each context into that many runs (None picks from the GPU's size)."""
@@ -73,12 +81,20 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     _refuse_interpreter_bfloat16(key_cache)
     if ctx_max is None:
         return torch.empty_like(query)
-    return launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, ctx_max, version,
-                         num_splits)
+    return launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, ctx_max, version, num_splits)
 
 
-def launch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len: int,
-                  version=None, num_splits=None):
+def launch_decode(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    scale,
+    max_context_len: int,
+    version=None,
+    num_splits=None,
+):
     """paged_decode_attention without the checks, for valid inputs: max_context_len is the longest of
     context_lens, given by the caller so that nothing is read back from the device."""
     if version == 1:
@@ -99,9 +115,11 @@ def paged_prefill_attention(query, key_cache, value_cache, block_tables, query_s
     return launch_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, qlen_max)
 
 
-def launch_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                   max_query_len: int):
+def launch_prefill(
+    query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len: int
+):
     """paged_prefill_attention without the checks, for valid inputs: max_query_len is the longest chunk, given by
     the caller so that nothing is read back from the device."""
-    return paged_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                         max_query_len)
+    return paged_prefill(
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len
+    )

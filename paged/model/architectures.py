@@ -16,17 +16,17 @@ each of the engine's fused ones (q, k, v -> qkv; gate, up -> gate_up). Anything 
 import warnings
 from dataclasses import dataclass
 
-ACTIVATIONS = ("silu", "swish")          # one function under two names (transformers' ACT2FN)
-LENGTH_DEPENDENT_ROPE = ("longrope",)    # short or long factors by the sequence's length: no table for all of it
+ACTIVATIONS = ("silu", "swish")  # one function under two names (transformers' ACT2FN)
+LENGTH_DEPENDENT_ROPE = ("longrope",)  # short or long factors by the sequence's length: no table for all of it
 
 
 @dataclass(frozen=True)
 class Architecture:
-    name: str                  # transformers' class, as config.architectures names it
-    model_type: str            # config.model_type
-    rotary: str                # transformers' rotary-embedding class in the model's module, built from the config
-    qkv_bias: bool = False     # biases on q_proj, k_proj, v_proj
-    qk_norm: bool = False      # RMSNorm (one weight of head_dim) on every head of q and of k, before RoPE
+    name: str  # transformers' class, as config.architectures names it
+    model_type: str  # config.model_type
+    rotary: str  # transformers' rotary-embedding class in the model's module, built from the config
+    qkv_bias: bool = False  # biases on q_proj, k_proj, v_proj
+    qk_norm: bool = False  # RMSNorm (one weight of head_dim) on every head of q and of k, before RoPE
     sliding_window: bool = False  # the config's sliding_window can limit attention (see `max_model_len`)
 
     def layer_tensors(self) -> dict[str, tuple[str, ...]]:
@@ -46,15 +46,32 @@ class Architecture:
         return names
 
 
-ARCHITECTURES = {arch.name: arch for arch in [
-    Architecture("LlamaForCausalLM", "llama", "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding"),
-    Architecture("MistralForCausalLM", "mistral", "transformers.models.mistral.modeling_mistral.MistralRotaryEmbedding",
-                 sliding_window=True),
-    Architecture("Qwen2ForCausalLM", "qwen2", "transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding",
-                 qkv_bias=True, sliding_window=True),
-    Architecture("Qwen3ForCausalLM", "qwen3", "transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding",
-                 qk_norm=True, sliding_window=True),
-]}
+ARCHITECTURES = {
+    arch.name: arch
+    for arch in [
+        Architecture("LlamaForCausalLM", "llama", "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding"),
+        Architecture(
+            "MistralForCausalLM",
+            "mistral",
+            "transformers.models.mistral.modeling_mistral.MistralRotaryEmbedding",
+            sliding_window=True,
+        ),
+        Architecture(
+            "Qwen2ForCausalLM",
+            "qwen2",
+            "transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding",
+            qkv_bias=True,
+            sliding_window=True,
+        ),
+        Architecture(
+            "Qwen3ForCausalLM",
+            "qwen3",
+            "transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding",
+            qk_norm=True,
+            sliding_window=True,
+        ),
+    ]
+}
 
 
 def head_dim(config) -> int:
@@ -65,15 +82,26 @@ def head_dim(config) -> int:
 def layer_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor a layer may have, by its name under model.layers.{i}., from the config."""
     hidden, inter, dim = config.hidden_size, config.intermediate_size, head_dim(config)
-    q, kv = config.num_attention_heads * dim, (getattr(config, "num_key_value_heads", None)
-                                              or config.num_attention_heads) * dim
-    return {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
-            "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
-            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-            "self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter)}
+    q, kv = (
+        config.num_attention_heads * dim,
+        (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim,
+    )
+    return {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (dim,),
+        "self_attn.k_norm.weight": (dim,),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
 
 
 def supported() -> str:
@@ -86,20 +114,27 @@ def check_supported(class_name: str, config, argument: str = "model") -> Archite
     arch = ARCHITECTURES.get(class_name)
     model_type = getattr(config, "model_type", None)
     if arch is None or arch.model_type != model_type:
-        raise ValueError(f"{argument} is a {class_name} (model_type {model_type!r}); the engine runs "
-                         f"{supported()} only")
+        raise ValueError(
+            f"{argument} is a {class_name} (model_type {model_type!r}); the engine runs {supported()} only"
+        )
     for setting in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v biases are its architecture, not a setting
         if getattr(config, setting, False):
-            raise ValueError(f"{argument} has {setting}=True: the engine's projections of a {class_name} have no "
-                             f"bias, so it would run the model wrongly; it runs {setting}=False only")
+            raise ValueError(
+                f"{argument} has {setting}=True: the engine's projections of a {class_name} have no "
+                f"bias, so it would run the model wrongly; it runs {setting}=False only"
+            )
     if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"{argument} has hidden_act={config.hidden_act!r}: the engine's MLP is SiLU-gated; it "
-                         f"runs hidden_act 'silu' only")
+        raise ValueError(
+            f"{argument} has hidden_act={config.hidden_act!r}: the engine's MLP is SiLU-gated; it "
+            f"runs hidden_act 'silu' only"
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in LENGTH_DEPENDENT_ROPE:
-        raise ValueError(f"{argument} has a RoPE of type {rope_type!r}, whose frequencies depend on the sequence's "
-                         f"length; the engine computes one RoPE table for every position and cannot run it")
+        raise ValueError(
+            f"{argument} has a RoPE of type {rope_type!r}, whose frequencies depend on the sequence's "
+            f"length; the engine computes one RoPE table for every position and cannot run it"
+        )
     return arch
 
 
@@ -114,10 +149,13 @@ def max_model_len(arch: Architecture, config) -> int:
     window = getattr(config, "sliding_window", None) if arch.sliding_window else None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
-        window = None   # Qwen: use_sliding_window with max_window_layers past the last layer slides nowhere
+        window = None  # Qwen: use_sliding_window with max_window_layers past the last layer slides nowhere
     if window is not None and window < limit:
-        warnings.warn(f"the model has sliding_window={window} < max_position_embeddings={limit}; the engine has no "
-                      f"sliding-window attention, so it caps max_model_len at {window} tokens, where the window "
-                      f"still covers every earlier token", stacklevel=3)
+        warnings.warn(
+            f"the model has sliding_window={window} < max_position_embeddings={limit}; the engine has no "
+            f"sliding-window attention, so it caps max_model_len at {window} tokens, where the window "
+            f"still covers every earlier token",
+            stacklevel=3,
+        )
         return window
     return limit

@@ -28,7 +28,8 @@ from paged.model import attention as torch_attention
 
 class AttentionBackend(ABC):
     """The attention entry points the forward pass calls (model/llama.py, PagedLlama._attention)."""
-    name: str   # as attention_backend= names it
+
+    name: str  # as attention_backend= names it
 
     @classmethod
     def create(cls, device: torch.device) -> "AttentionBackend":
@@ -36,41 +37,86 @@ class AttentionBackend(ABC):
         return cls()
 
     @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """k, v [num_tokens, num_kv_heads, head_dim] into the pool's slots slot_mapping [num_tokens]."""
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float, max_context_len: int) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_context_len: int,
+    ) -> torch.Tensor:
         """One query per sequence: q [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]."""
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, max_query_len: int,
-                max_context_len: int) -> torch.Tensor:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_query_len: int,
+        max_context_len: int,
+    ) -> torch.Tensor:
         """A ragged chunk per sequence, causal within it: q [num_tokens, num_heads, head_dim] -> the same shape."""
 
 
 class TorchAttentionBackend(AttentionBackend):
     """The readable reference in plain torch (model/attention.py): gathers each sequence's blocks, then attends."""
+
     name = "torch"
 
     def write_kv(self, k, v, key_cache, value_cache, slot_mapping):
         torch_attention.write_kv(k, v, key_cache, value_cache, slot_mapping, may_skip=False)
 
     def decode(self, q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len):
-        return torch_attention.decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale,
-                                                max_context_len)
+        return torch_attention.decode_attention(
+            q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+        )
 
-    def prefill(self, q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                max_context_len):
-        return torch_attention.prefill_attention(q, key_cache, value_cache, block_tables, query_start_loc,
-                                                 context_lens, scale, max_query_len, max_context_len)
+    def prefill(
+        self,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        max_query_len,
+        max_context_len,
+    ):
+        return torch_attention.prefill_attention(
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            max_query_len,
+            max_context_len,
+        )
 
 
 class TritonAttentionBackend(AttentionBackend):
     """The Triton kernels (paged/kernels/): a GPU's, or the interpreter's."""
+
     name = "triton"
 
     @classmethod
@@ -85,27 +131,41 @@ class TritonAttentionBackend(AttentionBackend):
     def decode(self, q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len):
         return kernels.launch_decode(q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
 
-    def prefill(self, q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                max_context_len):
-        return kernels.launch_prefill(q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                                      max_query_len)
+    def prefill(
+        self,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        max_query_len,
+        max_context_len,
+    ):
+        return kernels.launch_prefill(
+            q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len
+        )
 
 
 class CpuAttentionBackend(AttentionBackend):
     """The C++ kernel for a CPU (paged/kernels/cpu.py), which reads K/V in place in the pool; its loops stop at each
     sequence's length, so it needs no longest length."""
+
     name = "cpu"
 
     def __init__(self, ops):
-        self.ops = ops   # torch.ops.paged_cpu, as kernels.cpu.load() gives it
+        self.ops = ops  # torch.ops.paged_cpu, as kernels.cpu.load() gives it
 
     @classmethod
     def create(cls, device):
         """Where the C++ library cannot be built, the torch reference, after one warning (kernels.cpu.load)."""
         if device.type != "cpu":
-            raise ValueError(f"attention_backend 'cpu' runs on the CPU, but the model is on {device}; "
-                             f"use 'triton' or 'torch' there")
+            raise ValueError(
+                f"attention_backend 'cpu' runs on the CPU, but the model is on {device}; use 'triton' or 'torch' there"
+            )
         from paged.kernels import cpu
+
         ops = cpu.load()  # compiled on first use, then cached; None (after a warning) where it cannot be
         return TorchAttentionBackend() if ops is None else cls(ops)
 
@@ -115,14 +175,27 @@ class CpuAttentionBackend(AttentionBackend):
     def decode(self, q, key_cache, value_cache, block_tables, context_lens, scale, max_context_len):
         return self.ops.decode(q, key_cache, value_cache, block_tables, context_lens, scale)
 
-    def prefill(self, q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                max_context_len):
+    def prefill(
+        self,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        max_query_len,
+        max_context_len,
+    ):
         return self.ops.prefill(q, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
 
 
 # The registry: each name attention_backend= takes, and its class.
-BACKENDS: dict[str, type[AttentionBackend]] = {"cpu": CpuAttentionBackend, "torch": TorchAttentionBackend,
-                                               "triton": TritonAttentionBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "cpu": CpuAttentionBackend,
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
 ATTENTION_BACKENDS = tuple(BACKENDS)
 
 

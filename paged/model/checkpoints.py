@@ -37,17 +37,21 @@ def resolve_folder(model: str, argument: str = "model") -> Path:
         return Path(model)
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
         return Path(snapshot_download(model, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError) as error:  # not downloaded; not a valid repository name
-        raise ValueError(f"{argument} must be 'smollm2', a model folder or the name of a model downloaded to the "
-                         f"Hugging Face cache; {model!r} is none of them (looked in {constants.HF_HUB_CACHE}; nothing "
-                         f"is ever downloaded: fetch it first, e.g. `hf download {model}`)") from error
+        raise ValueError(
+            f"{argument} must be 'smollm2', a model folder or the name of a model downloaded to the "
+            f"Hugging Face cache; {model!r} is none of them (looked in {constants.HF_HUB_CACHE}; nothing "
+            f"is ever downloaded: fetch it first, e.g. `hf download {model}`)"
+        ) from error
 
 
 def read_config(folder: Path, argument: str = "model"):
     """transformers' config for the folder, and the description of its architecture (model/architectures.py)."""
     from transformers import AutoConfig
+
     if not (folder / CONFIG).is_file():
         raise ValueError(f"model folder {str(folder)!r} has no {CONFIG}")
     try:
@@ -83,6 +87,7 @@ def read_header(path: Path) -> tuple[int, dict]:
 def entry_problem(entry, data_bytes: int) -> str | None:
     """What is wrong with a header's entry for one tensor, given the bytes of data after the header; None if
     nothing is."""
+
     def count(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -93,8 +98,7 @@ def entry_problem(entry, data_bytes: int) -> str | None:
         return f"has no dtype name (got {entry.get('dtype')!r})"
     if not isinstance(shape, list) or not all(map(count, shape)):
         return f"has shape {shape!r}, not a list of sizes"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(count, offsets))
-            and offsets[0] <= offsets[1]):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(count, offsets)) and offsets[0] <= offsets[1]):
         return f"has data_offsets {offsets!r}, not a range of bytes [begin, end]"
     if offsets[1] > data_bytes:
         return f"ends at byte {offsets[1]} of data, past the file's {data_bytes}: the file is truncated"
@@ -109,16 +113,21 @@ def weight_files(folder: Path) -> list[Path]:
         except (OSError, ValueError, RecursionError) as error:
             raise ValueError(f"{INDEX} in {str(folder)!r} is malformed: {error}") from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(name, str) and name and Path(name).name == name
-                                                       for name in weight_map.values()):
-            raise ValueError(f"{INDEX} in {str(folder)!r} is malformed: its weight_map must map each tensor to the "
-                             f"name of a file in the folder")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) and name and Path(name).name == name for name in weight_map.values()
+        ):
+            raise ValueError(
+                f"{INDEX} in {str(folder)!r} is malformed: its weight_map must map each tensor to the "
+                f"name of a file in the folder"
+            )
         files = [folder / name for name in sorted(set(weight_map.values()))]
     elif (folder / SINGLE_FILE).is_file():
         files = [folder / SINGLE_FILE]
     else:
-        raise ValueError(f"model folder {str(folder)!r} has neither {SINGLE_FILE} nor {INDEX} "
-                         f"(the engine reads safetensors weights only)")
+        raise ValueError(
+            f"model folder {str(folder)!r} has neither {SINGLE_FILE} nor {INDEX} "
+            f"(the engine reads safetensors weights only)"
+        )
     for path in files:
         if not path.is_file():
             raise ValueError(f"{INDEX} in {str(folder)!r} names {path.name}, which is missing")
@@ -129,14 +138,17 @@ def read_tensor(f, start: int, name: str, entry: dict, out: torch.Tensor, path: 
     """Read one checkpoint tensor's bytes into `out` (contiguous rows of an engine tensor), converting its dtype."""
     source_dtype = DTYPES.get(entry["dtype"])
     if source_dtype is None:
-        raise ValueError(f"tensor {name!r} in {path.name} has dtype {entry['dtype']}; the engine reads "
-                         f"{', '.join(DTYPES)} weights only")
+        raise ValueError(
+            f"tensor {name!r} in {path.name} has dtype {entry['dtype']}; the engine reads "
+            f"{', '.join(DTYPES)} weights only"
+        )
     begin, end = entry["data_offsets"]
     direct = out.device.type == "cpu" and out.dtype == source_dtype
     buffer = out if direct else torch.empty(out.shape, dtype=source_dtype)
     if end - begin != buffer.nbytes:
-        raise ValueError(f"tensor {name!r} in {path.name} holds {end - begin} bytes, not the {buffer.nbytes} of "
-                         f"its shape")
+        raise ValueError(
+            f"tensor {name!r} in {path.name} holds {end - begin} bytes, not the {buffer.nbytes} of its shape"
+        )
     f.seek(start + begin)
     if f.readinto(buffer.view(-1).view(torch.uint8).numpy()) != buffer.nbytes:
         raise ValueError(f"{path.name} is truncated: tensor {name!r} runs past its end")
@@ -155,8 +167,11 @@ def checkpoint_dtype(folder: Path) -> torch.dtype:
 
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as error:  # transformers raises many kinds (OSError, ValueError, TypeError, JSON errors)
-        raise ValueError(f"the tokenizer in {str(folder)!r} cannot be read ({type(error).__name__}: {error}); "
-                         f"pass tokenizer= to use another") from None
+        raise ValueError(
+            f"the tokenizer in {str(folder)!r} cannot be read ({type(error).__name__}: {error}); "
+            f"pass tokenizer= to use another"
+        ) from None

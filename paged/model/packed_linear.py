@@ -28,9 +28,13 @@ import torch.nn.functional as F
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Read when a model is set up, so PAGED_PACK_WEIGHTS=0 set then applies to the models made after it."""
-    return (os.environ.get("PAGED_PACK_WEIGHTS", "1") != "0" and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and platform.machine().lower() in ("x86_64", "amd64"))
+    return (
+        os.environ.get("PAGED_PACK_WEIGHTS", "1") != "0"
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and platform.machine().lower() in ("x86_64", "amd64")
+    )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -47,7 +51,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [num_tokens, in] @ weight^T [in, out] (+ bias [out]), for a packed weight or a plain one."""
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
-    if weight.dtype != x.dtype:   # a bf16 layer whose weight pack() holds in fp32
+    if weight.dtype != x.dtype:  # a bf16 layer whose weight pack() holds in fp32
         bias = None if bias is None else bias.float()
         return torch.ops.mkldnn._linear_pointwise(x.float(), weight, bias, "none", [], "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -36,14 +36,15 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 @dataclass(frozen=True)
 class Shard:
     """What rank `rank` of `size` holds, as ranges of the whole model's indices."""
+
     rank: int
     size: int
     q_heads: range
     kv_heads: range
     intermediate: range
-    vocab: range          # the vocabulary rows this rank holds (the last rank's may run short)
-    vocab_per_rank: int   # every rank's slice padded to this many rows, so the logits gather in equal parts
-    vocab_size: int       # the whole vocabulary
+    vocab: range  # the vocabulary rows this rank holds (the last rank's may run short)
+    vocab_per_rank: int  # every rank's slice padded to this many rows, so the logits gather in equal parts
+    vocab_size: int  # the whole vocabulary
 
 
 def check_tensor_parallel(config, size: int, argument: str = "tensor_parallel_size") -> None:
@@ -56,12 +57,13 @@ def check_tensor_parallel(config, size: int, argument: str = "tensor_parallel_si
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size:
         raise ValueError(f"{argument} ({size}) must divide the model's {heads} query heads")
-    if (kv_heads % size if size <= kv_heads else size % kv_heads):
-        raise ValueError(f"{argument} ({size}) and the model's {kv_heads} KV heads: one must divide the other, so "
-                         f"that every rank holds the same number of KV heads")
+    if kv_heads % size if size <= kv_heads else size % kv_heads:
+        raise ValueError(
+            f"{argument} ({size}) and the model's {kv_heads} KV heads: one must divide the other, so "
+            f"that every rank holds the same number of KV heads"
+        )
     if config.intermediate_size % size:
-        raise ValueError(f"{argument} ({size}) must divide the model's intermediate_size "
-                         f"({config.intermediate_size})")
+        raise ValueError(f"{argument} ({size}) must divide the model's intermediate_size ({config.intermediate_size})")
 
 
 def plan_shard(config, vocab_size: int, rank: int, size: int) -> Shard:
@@ -72,15 +74,21 @@ def plan_shard(config, vocab_size: int, rank: int, size: int) -> Shard:
     if size <= kv_heads:
         kv_per_rank = kv_heads // size
         kv = range(rank * kv_per_rank, (rank + 1) * kv_per_rank)
-    else:   # fewer KV heads than ranks: the one KV head this rank's query heads read, copied here
+    else:  # fewer KV heads than ranks: the one KV head this rank's query heads read, copied here
         first = rank * q_per_rank // (heads // kv_heads)
         kv = range(first, first + 1)
     inter = config.intermediate_size // size
     vocab_per_rank = -(-vocab_size // size)
-    return Shard(rank, size, range(rank * q_per_rank, (rank + 1) * q_per_rank), kv,
-                 range(rank * inter, (rank + 1) * inter),
-                 range(min(rank * vocab_per_rank, vocab_size), min((rank + 1) * vocab_per_rank, vocab_size)),
-                 vocab_per_rank, vocab_size)
+    return Shard(
+        rank,
+        size,
+        range(rank * q_per_rank, (rank + 1) * q_per_rank),
+        kv,
+        range(rank * inter, (rank + 1) * inter),
+        range(min(rank * vocab_per_rank, vocab_size), min((rank + 1) * vocab_per_rank, vocab_size)),
+        vocab_per_rank,
+        vocab_size,
+    )
 
 
 def shard_weights(weights, config, shard: Shard):
@@ -92,25 +100,37 @@ def shard_weights(weights, config, shard: Shard):
     k_rows = heads * dim + torch.arange(shard.kv_heads.start * dim, shard.kv_heads.stop * dim)
     qkv_rows = torch.cat([q_rows, k_rows, k_rows + kv_heads * dim])
     inter = config.intermediate_size
-    gate_up_rows = torch.cat([torch.arange(shard.intermediate.start, shard.intermediate.stop),
-                              inter + torch.arange(shard.intermediate.start, shard.intermediate.stop)])
+    gate_up_rows = torch.cat(
+        [
+            torch.arange(shard.intermediate.start, shard.intermediate.stop),
+            inter + torch.arange(shard.intermediate.start, shard.intermediate.stop),
+        ]
+    )
 
-    def rows(tensor, index):       # column-parallel: the output features this rank computes
+    def rows(tensor, index):  # column-parallel: the output features this rank computes
         return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
 
-    def columns(tensor, index):    # row-parallel: the input features this rank holds
+    def columns(tensor, index):  # row-parallel: the input features this rank holds
         return tensor.index_select(1, index.to(tensor.device))
 
-    def vocab_rows(table):         # [vocab_per_rank, hidden], zero rows past the vocabulary
+    def vocab_rows(table):  # [vocab_per_rank, hidden], zero rows past the vocabulary
         part = table.new_zeros(shard.vocab_per_rank, table.shape[1])
-        part[:len(shard.vocab)] = table[shard.vocab.start:shard.vocab.stop]
+        part[: len(shard.vocab)] = table[shard.vocab.start : shard.vocab.stop]
         return part
 
-    layers = [replace(layer, qkv=rows(layer.qkv, qkv_rows), qkv_bias=rows(layer.qkv_bias, qkv_rows),
-                      o=columns(layer.o, q_rows), gate_up=rows(layer.gate_up, gate_up_rows),
-                      down=columns(layer.down, gate_up_rows[:len(shard.intermediate)]),
-                      input_norm=layer.input_norm.clone(), post_norm=layer.post_norm.clone())
-              for layer in weights.layers]
+    layers = [
+        replace(
+            layer,
+            qkv=rows(layer.qkv, qkv_rows),
+            qkv_bias=rows(layer.qkv_bias, qkv_rows),
+            o=columns(layer.o, q_rows),
+            gate_up=rows(layer.gate_up, gate_up_rows),
+            down=columns(layer.down, gate_up_rows[: len(shard.intermediate)]),
+            input_norm=layer.input_norm.clone(),
+            post_norm=layer.post_norm.clone(),
+        )
+        for layer in weights.layers
+    ]
     embed = vocab_rows(weights.embed_tokens)
     head = embed if weights.lm_head is weights.embed_tokens else vocab_rows(weights.lm_head)
     return replace(weights, embed_tokens=embed, lm_head=head, final_norm=weights.final_norm.clone(), layers=layers)
@@ -124,10 +144,9 @@ class TensorParallelGroup:
 
     def __init__(self, rank: int, size: int, store, device: torch.device):
         self.rank, self.size, self.device = rank, size, device
-        self.shard: Shard | None = None      # set when the model is loaded (plan_shard)
+        self.shard: Shard | None = None  # set when the model is loaded (plan_shard)
         self.cpu_group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
-        self.device_group = self.cpu_group if device.type == "cpu" else \
-            dist.ProcessGroupNCCL(store, rank, size)
+        self.device_group = self.cpu_group if device.type == "cpu" else dist.ProcessGroupNCCL(store, rank, size)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """tensor summed over the ranks, in place."""
@@ -146,7 +165,7 @@ class TensorParallelGroup:
         """logits [rows, vocab_per_rank] of this rank's slice -> [rows, vocab_size], put together on every rank."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]
         self.device_group.allgather([parts], [logits.contiguous()]).wait()
-        return torch.cat(parts, dim=1)[:, :self.shard.vocab_size]
+        return torch.cat(parts, dim=1)[:, : self.shard.vocab_size]
 
     def broadcast_object(self, obj) -> None:
         """Rank 0 sends `obj` (pickled; tensors on the CPU) to every other rank."""

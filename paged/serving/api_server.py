@@ -89,8 +89,13 @@ from paged.validation import ArgumentError, prompt_token_ids
 
 # sampling fields this engine's sampler does not implement, with the value that leaves the logits as they are: a
 # request that sets one to anything else gets a 400 naming it, never an answer that ignored it
-NEUTRAL_SAMPLING = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_tokens": 0,
-                    "logit_bias": {}}
+NEUTRAL_SAMPLING = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "logit_bias": {},
+}
 
 
 def is_json(value) -> bool:
@@ -134,8 +139,12 @@ class ChunkedBodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.max_body_bytes:
-                response = error_response(f"the request body (over {size} bytes, in chunks) is larger than this "
-                                          f"server takes ({self.max_body_bytes} bytes)", None, 413)
+                response = error_response(
+                    f"the request body (over {size} bytes, in chunks) is larger than this "
+                    f"server takes ({self.max_body_bytes} bytes)",
+                    None,
+                    413,
+                )
                 return await response(scope, receive, send)
         body = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
@@ -145,21 +154,23 @@ class ChunkedBodyLimit:
         await self.app(scope, replay, send)
 
 
-def error_body(message: str, param: str | None, status: int = 400,
-               kind: str = "invalid_request_error") -> ErrorResponse:
+def error_body(
+    message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"
+) -> ErrorResponse:
     """OpenAI's error object."""
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 
-def error_response(message: str, param: str | None, status: int = 400,
-                   kind: str = "invalid_request_error") -> JSONResponse:
+def error_response(
+    message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"
+) -> JSONResponse:
     return JSONResponse(error_body(message, param, status, kind).model_dump(), status_code=status)
 
 
 # ---- log-probabilities in OpenAI's two shapes ------------------------------------------------------------------
 
 
-LOGPROB_FLOOR = -9999.0   # vLLM's stand-in for a log-probability of -inf, which JSON cannot carry
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for a log-probability of -inf, which JSON cannot carry
 
 
 def token_text(token_id: int, logprob: Logprob) -> str:
@@ -172,8 +183,9 @@ def top_entries(entry: dict[int, Logprob], num_top: int) -> dict[int, Logprob]:
     return {token_id: lp for i, (token_id, lp) in enumerate(entry.items()) if i == 0 or lp.rank <= num_top}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob] | None], text_offset: int, num_top: int,
-                        first_text: str = "") -> tuple[dict, int]:
+def completion_logprobs(
+    entries: list[dict[int, Logprob] | None], text_offset: int, num_top: int, first_text: str = ""
+) -> tuple[dict, int]:
     """/v1/completions' logprobs for some tokens (an entry each: the chosen token first, then the most likely):
     their texts, their log-probabilities, a map of each position's num_top alternatives and the chosen one, and
     where each token's text begins, counted from text_offset. An echoed prompt's first token has no entry
@@ -189,22 +201,35 @@ def completion_logprobs(entries: list[dict[int, Logprob] | None], text_offset: i
             chosen_id, chosen = next(iter(entry.items()))
             tokens.append(token_text(chosen_id, chosen))
             token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR))
-            top_logprobs.append({token_text(i, lp): max(lp.logprob, LOGPROB_FLOOR)
-                                 for i, lp in top_entries(entry, num_top).items()})
+            top_logprobs.append(
+                {token_text(i, lp): max(lp.logprob, LOGPROB_FLOOR) for i, lp in top_entries(entry, num_top).items()}
+            )
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}, text_offset
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }, text_offset
 
 
 def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], num_top: int) -> list[dict | None]:
     """vLLM's prompt_logprobs field: None for the first prompt token, then per token {token id: {logprob, rank,
     decoded_token}} for the token and its num_top most likely alternatives."""
-    return [None if entry is None else
-            {str(token_id): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
-                             "decoded_token": lp.decoded_token}
-             for token_id, lp in top_entries(entry, num_top).items()}
-            for entry in entries]
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in top_entries(entry, num_top).items()
+        }
+        for entry in entries
+    ]
 
 
 @functools.cache
@@ -235,10 +260,14 @@ def token_bytes(tokenizer, token_id: int, text: str) -> list[int]:
 def chat_logprobs(entries: list[dict[int, Logprob]], num_top: int, tokenizer=None) -> dict:
     """/v1/chat/completions' logprobs: per token its text, log-probability and UTF-8 bytes, and the num_top most
     likely tokens at its position in the same form."""
+
     def item(token_id: int, logprob: Logprob) -> dict:
         text = token_text(token_id, logprob)
-        return {"token": text, "logprob": max(logprob.logprob, LOGPROB_FLOOR),
-                "bytes": token_bytes(tokenizer, token_id, text)}
+        return {
+            "token": text,
+            "logprob": max(logprob.logprob, LOGPROB_FLOOR),
+            "bytes": token_bytes(tokenizer, token_id, text),
+        }
 
     content = []
     for entry in entries:
@@ -250,7 +279,7 @@ def chat_logprobs(entries: list[dict[int, Logprob]], num_top: int, tokenizer=Non
 
 # ---- metrics ----------------------------------------------------------------------------------------------
 
-KEEP_FINISHED = 1024   # finished requests whose engine timestamps ServerMetrics.finished keeps, for a notebook
+KEEP_FINISHED = 1024  # finished requests whose engine timestamps ServerMetrics.finished keeps, for a notebook
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -258,31 +287,41 @@ class ServerMetrics:
     """A Prometheus registry of the server's own, with vLLM's metric names, fed by the engine loop's thread."""
 
     def __init__(self, model_name: str):
-        disable_created_metrics()   # no *_created samples beside each counter and histogram
+        disable_created_metrics()  # no *_created samples beside each counter and histogram
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", **labels)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", **labels)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", **labels)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                      **labels)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", **labels
+        )
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", **labels)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", **labels)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated by finished requests",
-                                         **labels)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated by finished requests", **labels)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted (sent back to wait)", **labels)
         self.success = Counter("vllm:request_success", "Requests finished", **labels)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              **labels)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Mean gap between a completion's output tokens", buckets=LATENCY_BUCKETS, **labels)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Each gap between two tokens of a completion",
-                             buckets=LATENCY_BUCKETS, **labels)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=LATENCY_BUCKETS, **labels)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, **labels
+        )
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean gap between a completion's output tokens",
+            buckets=LATENCY_BUCKETS,
+            **labels,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Each gap between two tokens of a completion",
+            buckets=LATENCY_BUCKETS,
+            **labels,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, **labels
+        )
         self.model_name = model_name
-        self.finished = collections.OrderedDict()   # request id -> engine timestamps, the last KEEP_FINISHED
-        for metric in self.registry._names_to_collectors.values():   # every series shows from the start, at 0
+        self.finished = collections.OrderedDict()  # request id -> engine timestamps, the last KEEP_FINISHED
+        for metric in self.registry._names_to_collectors.values():  # every series shows from the start, at 0
             metric.labels(model_name)
         self._seen = {"prefix_query_tokens": 0, "prefix_hit_tokens": 0, "num_preemptions": 0}
 
@@ -292,8 +331,11 @@ class ServerMetrics:
         self.running.labels(name).set(stats["num_running"])
         self.waiting.labels(name).set(stats["num_waiting"])
         self.kv_usage.labels(name).set(stats["usage"])
-        for key, counter in (("prefix_query_tokens", self.prefix_queries), ("prefix_hit_tokens", self.prefix_hits),
-                             ("num_preemptions", self.preemptions)):
+        for key, counter in (
+            ("prefix_query_tokens", self.prefix_queries),
+            ("prefix_hit_tokens", self.prefix_hits),
+            ("num_preemptions", self.preemptions),
+        ):
             counter.labels(name).inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
         for output in finished:
@@ -306,7 +348,7 @@ class ServerMetrics:
             self.generation_tokens.labels(name).inc(len(m.token_times))
             if m.first_token_time is not None:
                 self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-            for times in output.completion_token_times:   # each completion's own gaps: n of them interleave
+            for times in output.completion_token_times:  # each completion's own gaps: n of them interleave
                 gaps = [b - a for a, b in zip(times, times[1:])]
                 for gap in gaps:
                     self.itl.labels(name).observe(gap)
@@ -330,8 +372,8 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-MAX_BODY_BYTES = 64 * 2**20   # a request body larger than this gets a 413 before it is read
-OPEN_PATHS = ("/health", "/metrics")   # served without the API key, as in vLLM
+MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this gets a 413 before it is read
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key, as in vLLM
 
 
 def host_name(host_header: str) -> str:
@@ -360,6 +402,7 @@ def surrogate_field(value, path: str = "") -> str | None:
 class ServedModel:
     """What the routes serve, kept in app.state.served: the model's name, its adapters by name, and the limits a
     request is checked against before the engine sees it."""
+
     name: str
     adapters: dict[str, LoRARequest]
     tokenizer: object
@@ -370,14 +413,20 @@ class ServedModel:
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """What every request is checked for before anything else reads it (app.state.guard)."""
+
     allowed_hosts: tuple[str, ...] | None
     api_key: str | None
     max_body_bytes: int
 
 
-def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | None = None,
-              api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    llm,
+    model_name: str = "smollm2",
+    lora_modules: dict[str, str] | None = None,
+    api_key: str | None = None,
+    allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     """The FastAPI application serving `llm` under `model_name`, each adapter of lora_modules {name: folder} as a
     model of its own. `llm`: a paged.LLM (made with enable_lora=True if lora_modules are given), whose loop then runs
     in a thread of this process (AsyncLLM), or an AsyncMPClient, an engine core in a process of its own that
@@ -386,19 +435,22 @@ def build_app(llm, model_name: str = "smollm2", lora_modules: dict[str, str] | N
     machine through a DNS name of its own); None accepts any, for a server bound to a public address."""
     lora_modules = dict(lora_modules or {})
     if model_name in lora_modules:
-        raise ValueError(f"lora_modules: the adapter name {model_name!r} is the served model's name; requests for "
-                         f"the base model would run under the adapter. Give the adapter another name")
+        raise ValueError(
+            f"lora_modules: the adapter name {model_name!r} is the served model's name; requests for "
+            f"the base model would run under the adapter. Give the adapter another name"
+        )
     adapters = lora_requests(lora_modules)
     metrics = ServerMetrics(model_name)
-    if isinstance(llm, AsyncMPClient):   # the engine runs in its own process, its adapters registered there
+    if isinstance(llm, AsyncMPClient):  # the engine runs in its own process, its adapters registered there
         served = ServedModel(model_name, adapters, llm.tokenizer, llm.max_model_len, llm.vocab_size)
     else:
         if lora_modules and llm.engine.lora is None:
             raise ValueError("lora_modules needs an LLM made with enable_lora=True")
-        for adapter in adapters.values():   # read and checked now, before the engine loop owns the engine
+        for adapter in adapters.values():  # read and checked now, before the engine loop owns the engine
             llm.engine.lora.resolve(adapter)
-        served = ServedModel(model_name, adapters, llm.tokenizer, llm.engine.max_model_len,
-                             llm.engine.config.vocab_size)
+        served = ServedModel(
+            model_name, adapters, llm.tokenizer, llm.engine.max_model_len, llm.engine.config.vocab_size
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -427,17 +479,27 @@ async def guard(request: Request, call_next):
     settings: Guard = request.app.state.guard
     host = host_name(request.headers.get("host", ""))
     if settings.allowed_hosts is not None and host not in settings.allowed_hosts:
-        return error_response(f"the Host header {host!r} is not one this server answers to "
-                              f"({', '.join(settings.allowed_hosts)})", None, 400)
+        return error_response(
+            f"the Host header {host!r} is not one this server answers to ({', '.join(settings.allowed_hosts)})",
+            None,
+            400,
+        )
     length = request.headers.get("content-length", "0")
     if not length.isdigit() or int(length) > settings.max_body_bytes:
-        return error_response(f"the request body ({length} bytes) is larger than this server takes "
-                              f"({settings.max_body_bytes} bytes)", None, 413)
+        return error_response(
+            f"the request body ({length} bytes) is larger than this server takes ({settings.max_body_bytes} bytes)",
+            None,
+            413,
+        )
     if settings.api_key is not None and request.url.path not in OPEN_PATHS:
         sent = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(sent, f"Bearer {settings.api_key}".encode()):
-            return error_response("missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                                  None, 401, "authentication_error")
+            return error_response(
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                None,
+                401,
+                "authentication_error",
+            )
     return await call_next(request)
 
 
@@ -445,10 +507,9 @@ async def invalid_body(request: Request, error: RequestValidationError):
     """A body the request models refuse: a 400 whose param is the first field at fault."""
     errors = error.errors()
     if errors[0].get("type") == "json_invalid":
-        return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}",
-                              None)
+        return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}", None)
 
-    def loc(e):   # the path inside the body; pydantic also names each branch of a union it tried (a str)
+    def loc(e):  # the path inside the body; pydantic also names each branch of a union it tried (a str)
         return [part for part in e.get("loc", ()) if part != "body"]
 
     # the first field at fault; of the branches tried for it, one that reached an element of a list
@@ -483,7 +544,7 @@ async def health(request: Request):
     problem = None if async_llm.is_running else "the engine loop has stopped"
     try:
         async_llm.check_health()
-    except RuntimeError as error:   # a tensor-parallel worker died
+    except RuntimeError as error:  # a tensor-parallel worker died
         problem = str(error)
     return JSONResponse({"error": problem} if problem else {}, status_code=503 if problem else 200)
 
@@ -496,10 +557,13 @@ async def prometheus_metrics(request: Request):
 @router.get("/v1/models")
 async def show_available_models(served: Served):
     created = int(time.time())
-    cards = [ModelCard(id=served.name, created=created, root=served.name, parent=None,
-                       max_model_len=served.max_model_len)]
-    cards += [ModelCard(id=name, created=created, root=adapter.lora_path, parent=served.name)
-              for name, adapter in served.adapters.items()]
+    cards = [
+        ModelCard(id=served.name, created=created, root=served.name, parent=None, max_model_len=served.max_model_len)
+    ]
+    cards += [
+        ModelCard(id=name, created=created, root=adapter.lora_path, parent=served.name)
+        for name, adapter in served.adapters.items()
+    ]
     return ModelList(data=cards).model_dump()
 
 
@@ -514,7 +578,8 @@ async def tokenize(body: TokenizeRequest, served: Served):
     check_text(body)
     tokenizer = served.tokenizer
     ids = await asyncio.to_thread(
-        lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+    )
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -532,8 +597,11 @@ async def tokenizer_info(served: Served):
     need_tokenizer(served, "/tokenizer_info")
     tokenizer = served.tokenizer
     settings = {key: value for key, value in tokenizer.init_kwargs.items() if is_json(value)}
-    return {**settings, "tokenizer_class": type(tokenizer).__name__,
-            "chat_template": getattr(tokenizer, "chat_template", None)}
+    return {
+        **settings,
+        "tokenizer_class": type(tokenizer).__name__,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
 
 
 @router.post("/v1/completions")
@@ -552,7 +620,7 @@ async def create_chat_completion(request: Request, body: ChatCompletionRequest, 
     try:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as error:   # the template refused these messages (roles that must alternate, ...)
+    except Exception as error:  # the template refused these messages (roles that must alternate, ...)
         raise BadRequest(f"messages: the chat template refused them: {error}", "messages") from None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return await respond(request, body, [prompt], max_tokens, chat=True)
@@ -565,25 +633,38 @@ def check_text(body: BaseModel) -> None:
     """A lone surrogate in any text of the body is refused, naming the field: no tokenizer takes it."""
     field = surrogate_field(body.model_dump())
     if field is not None:
-        raise BadRequest(f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
-                         field.split(".")[0].split("[")[0])
+        raise BadRequest(
+            f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+            field.split(".")[0].split("[")[0],
+        )
 
 
-def sampling_params(served: ServedModel, body: SamplingRequest, max_tokens: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(
+    served: ServedModel, body: SamplingRequest, max_tokens: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     if body.model != served.name and body.model not in served.adapters:
-        raise BadRequest(f"model {body.model!r} is not served here; the models are "
-                         f"{[served.name, *served.adapters]}", "model")
+        raise BadRequest(
+            f"model {body.model!r} is not served here; the models are {[served.name, *served.adapters]}", "model"
+        )
     for name, neutral in NEUTRAL_SAMPLING.items():
         if getattr(body, name) not in (None, neutral):
-            raise BadRequest(f"{name} is not supported by this engine's sampler; leave it out or send "
-                             f"{neutral!r}", name)
+            raise BadRequest(
+                f"{name} is not supported by this engine's sampler; leave it out or send {neutral!r}", name
+            )
     if getattr(body, "best_of", None) not in (None, body.n):
-        raise BadRequest(f"best_of ({body.best_of}) must equal n ({body.n}): this server returns every "
-                         f"completion it samples", "best_of")
-    kwargs = {"n": body.n, "ignore_eos": body.ignore_eos, "seed": body.seed,
-              "stop_token_ids": body.stop_token_ids or [], "logprobs": body.logprobs,
-              "include_stop_str_in_output": body.include_stop_str_in_output, "prompt_logprobs": prompt_logprobs}
+        raise BadRequest(
+            f"best_of ({body.best_of}) must equal n ({body.n}): this server returns every completion it samples",
+            "best_of",
+        )
+    kwargs = {
+        "n": body.n,
+        "ignore_eos": body.ignore_eos,
+        "seed": body.seed,
+        "stop_token_ids": body.stop_token_ids or [],
+        "logprobs": body.logprobs,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "prompt_logprobs": prompt_logprobs,
+    }
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -596,7 +677,7 @@ def sampling_params(served: ServedModel, body: SamplingRequest, max_tokens: int 
     try:
         return SamplingParams(**kwargs)
     except ArgumentError as error:
-        if error.argument == "logprobs" and isinstance(body, ChatCompletionRequest):   # chat's count: top_logprobs
+        if error.argument == "logprobs" and isinstance(body, ChatCompletionRequest):  # chat's count: top_logprobs
             raise BadRequest(str(error).replace("logprobs", "top_logprobs", 1), "top_logprobs") from None
         raise BadRequest(str(error), error.argument) from None
 
@@ -605,31 +686,49 @@ async def token_ids_of(served: ServedModel, prompt, param: str) -> list[int]:
     """A prompt's token ids; text is tokenized in a worker thread, so that a huge prompt does not stall the
     engine loop or the event loop, and checked against the context before the engine sees it."""
     try:
-        ids = await asyncio.to_thread(prompt_token_ids, prompt, served.tokenizer) if isinstance(prompt, str) else \
-            prompt_token_ids(prompt, served.tokenizer)
+        ids = (
+            await asyncio.to_thread(prompt_token_ids, prompt, served.tokenizer)
+            if isinstance(prompt, str)
+            else prompt_token_ids(prompt, served.tokenizer)
+        )
     except ValueError as error:
         raise BadRequest(str(error), param) from None
     if len(ids) >= served.max_model_len:
-        raise BadRequest(f"prompt has {len(ids)} tokens; the model holds at most {served.max_model_len} "
-                         f"(max_model_len) including at least one new token", param)
+        raise BadRequest(
+            f"prompt has {len(ids)} tokens; the model holds at most {served.max_model_len} "
+            f"(max_model_len) including at least one new token",
+            param,
+        )
     return ids
 
 
-async def start(request: Request, body: SamplingRequest, prompt: list[int], params: SamplingParams,
-                fill_max_tokens: bool, request_id: str, param: str):
+async def start(
+    request: Request,
+    body: SamplingRequest,
+    prompt: list[int],
+    params: SamplingParams,
+    fill_max_tokens: bool,
+    request_id: str,
+    param: str,
+):
     """Hand one prompt to the engine; param: the field that holds it, which an error about the prompt names."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stop):
         raise BadRequest("stop strings must not be empty", "stop")
     try:
         return await request.app.state.async_llm.add_request(
-            prompt, params, request_id, request.app.state.served.adapters.get(body.model), tuple(stop),
-            fill_max_tokens=fill_max_tokens)
+            prompt,
+            params,
+            request_id,
+            request.app.state.served.adapters.get(body.model),
+            tuple(stop),
+            fill_max_tokens=fill_max_tokens,
+        )
     except ArgumentError as error:
         raise BadRequest(str(error), param if error.argument == "prompt" else error.argument) from None
-    except ValueError as error:   # the request's, about no field of it (its adapter's folder, say)
+    except ValueError as error:  # the request's, about no field of it (its adapter's folder, say)
         raise BadRequest(str(error), None) from None
-    except Exception as error:   # not the request's fault
+    except Exception as error:  # not the request's fault
         raise EngineFailure(str(error)) from None
 
 
@@ -648,7 +747,7 @@ async def collect(request: Request, streams: list) -> list | None:
     watch = asyncio.create_task(disconnected())
     done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     if work not in done:
-        work.cancel()   # stream_outputs aborts each request as it closes
+        work.cancel()  # stream_outputs aborts each request as it closes
         with contextlib.suppress(asyncio.CancelledError):
             await work
         return None
@@ -676,43 +775,64 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
     echo = getattr(body, "echo", False)
     if max_tokens == 0 and not echo:
         raise BadRequest("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)", "max_tokens")
-    num_prompt_top = [n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None)
-                      if n is not None]
-    params = sampling_params(served, body, 1 if max_tokens == 0 else max_tokens,   # with 0, its token is dropped
-                             max(num_prompt_top) if num_prompt_top else None)
+    num_prompt_top = [
+        n for n in (getattr(body, "prompt_logprobs", None), body.logprobs if echo else None) if n is not None
+    ]
+    params = sampling_params(
+        served,
+        body,
+        1 if max_tokens == 0 else max_tokens,  # with 0, its token is dropped
+        max(num_prompt_top) if num_prompt_top else None,
+    )
     keep_output = max_tokens != 0
     param = "messages" if chat else "prompt"
-    token_ids = [await token_ids_of(served, p, param if len(prompts) == 1 else f"prompt[{i}]")
-                 for i, p in enumerate(prompts)]
+    token_ids = [
+        await token_ids_of(served, p, param if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)
+    ]
     streams = []
     try:
         for i, ids in enumerate(token_ids):
-            engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"   # vLLM's ids
-            streams.append(await start(request, body, ids, params, max_tokens is None, engine_id,
-                                       param if len(prompts) == 1 else f"prompt[{i}]"))
-    except BaseException:   # one prompt of a batch refused: the others are not served either
+            engine_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"  # vLLM's ids
+            streams.append(
+                await start(
+                    request,
+                    body,
+                    ids,
+                    params,
+                    max_tokens is None,
+                    engine_id,
+                    param if len(prompts) == 1 else f"prompt[{i}]",
+                )
+            )
+    except BaseException:  # one prompt of a batch refused: the others are not served either
         for stream in streams:
             async_llm.abort(stream.request_id)
         raise
     created = int(time.time())
     options = body.stream_options or StreamOptions()
-    text_offsets = collections.defaultdict(int)   # completions' text_offset, per choice, across chunks
+    text_offsets = collections.defaultdict(int)  # completions' text_offset, per choice, across chunks
 
     def logprobs_of(index: int, entries, prompt_entries=None, first_text: str = "") -> dict | None:
         if entries is None:
             return None
         if chat:
             return chat_logprobs(entries, params.logprobs, tokenizer)
-        shaped, text_offsets[index] = completion_logprobs((prompt_entries or []) + entries, text_offsets[index],
-                                                          params.logprobs, first_text)
+        shaped, text_offsets[index] = completion_logprobs(
+            (prompt_entries or []) + entries, text_offsets[index], params.logprobs, first_text
+        )
         return shaped
 
     def first_token_text(i: int) -> str:
         return tokenizer.decode(token_ids[i][:1]) if tokenizer is not None else f"token_id:{token_ids[i][0]}"
 
     def prompt_text(i: int) -> str:
-        return prompts[i] if isinstance(prompts[i], str) else \
-            tokenizer.decode(token_ids[i]) if tokenizer is not None else ""
+        return (
+            prompts[i]
+            if isinstance(prompts[i], str)
+            else tokenizer.decode(token_ids[i])
+            if tokenizer is not None
+            else ""
+        )
 
     def choice(i: int, delta, first: bool, prompt_logprobs, whole: bool = False):
         """A choice for prompt i's delta (whole: the completion's every delta in one); the first of each
@@ -720,9 +840,16 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
         text = delta.text if keep_output else ""
         entries = (delta.logprobs or []) if keep_output else []
         index = i * params.n + delta.index
-        fields = {"index": index, "finish_reason": delta.finish_reason,
-                  "logprobs": logprobs_of(index, entries if params.logprobs is not None else None,
-                                          prompt_logprobs if first and echo else None, first_token_text(i))}
+        fields = {
+            "index": index,
+            "finish_reason": delta.finish_reason,
+            "logprobs": logprobs_of(
+                index,
+                entries if params.logprobs is not None else None,
+                prompt_logprobs if first and echo else None,
+                first_token_text(i),
+            ),
+        }
         if body.return_token_ids:
             fields["token_ids"] = delta.token_ids if keep_output else []
             if first and not chat:
@@ -731,8 +858,13 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
             return ChatCompletionResponseChoice(message=ChatMessage(content=text), **fields)
         if chat:
             return ChatCompletionResponseStreamChoice(
-                delta=DeltaMessage(role="assistant", content=text) if first else
-                DeltaMessage(content=text) if text or delta.finish_reason is None else DeltaMessage(), **fields)
+                delta=DeltaMessage(role="assistant", content=text)
+                if first
+                else DeltaMessage(content=text)
+                if text or delta.finish_reason is None
+                else DeltaMessage(),
+                **fields,
+            )
         if first and getattr(body, "prompt_logprobs", None) is not None:
             fields["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, body.prompt_logprobs)
         return CompletionResponseChoice(text=(prompt_text(i) if first and echo else "") + text, **fields)
@@ -740,6 +872,7 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
     chunk_type = ChatCompletionStreamResponse if chat else CompletionStreamResponse
     headers = {"x-request-id": base_id}
     if body.stream:
+
         async def events():
             num_prompt = num_cached = num_out = 0
             try:
@@ -757,36 +890,51 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
                                 choices.append(choice(i, delta, delta.index not in started, prompt_logprobs))
                                 started.add(delta.index)
                             done = output.finished
-                            so_far = UsageInfo.of(num_prompt, num_out, num_cached) \
-                                if options.continuous_usage_stats else None
-                            yield sse(chunk_type(id=response_id, created=created, model=body.model,
-                                                 choices=choices, usage=so_far))
-                    finally:   # closed early: the client went away, or the engine failed
+                            so_far = (
+                                UsageInfo.of(num_prompt, num_out, num_cached)
+                                if options.continuous_usage_stats
+                                else None
+                            )
+                            yield sse(
+                                chunk_type(
+                                    id=response_id, created=created, model=body.model, choices=choices, usage=so_far
+                                )
+                            )
+                    finally:  # closed early: the client went away, or the engine failed
                         if not done:
                             for stream in streams[i:]:
                                 async_llm.abort(stream.request_id)
                 if options.include_usage:
-                    yield sse(chunk_type(id=response_id, created=created, model=body.model, choices=[],
-                                         usage=UsageInfo.of(num_prompt, num_out, num_cached)))
-            except Exception as error:   # the engine failed mid-answer: say so in the stream
+                    yield sse(
+                        chunk_type(
+                            id=response_id,
+                            created=created,
+                            model=body.model,
+                            choices=[],
+                            usage=UsageInfo.of(num_prompt, num_out, num_cached),
+                        )
+                    )
+            except Exception as error:  # the engine failed mid-answer: say so in the stream
                 yield sse(error_body(f"the engine failed: {error}", None, 500, "internal_error"))
             yield "data: [DONE]\n\n"
+
         return ClosingStreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     try:
         results = await collect(request, streams)
     except Exception as error:
         return error_response(f"the engine failed: {error}", None, 500, "internal_error")
-    if results is None:   # the client left; nobody reads this
+    if results is None:  # the client left; nobody reads this
         return JSONResponse({}, status_code=499)
     choices, num_out = [], 0
     for i, outputs in enumerate(results):
-        merged = {}   # completion index -> one delta holding all its deltas
+        merged = {}  # completion index -> one delta holding all its deltas
         for output in outputs:
             for delta in output.completions:
                 if delta.index not in merged:
-                    merged[delta.index] = dataclasses.replace(delta, token_ids=list(delta.token_ids),
-                                                              logprobs=list(delta.logprobs or []))
+                    merged[delta.index] = dataclasses.replace(
+                        delta, token_ids=list(delta.token_ids), logprobs=list(delta.logprobs or [])
+                    )
                 else:
                     whole = merged[delta.index]
                     whole.text += delta.text
@@ -798,8 +946,12 @@ async def respond(request: Request, body: SamplingRequest, prompts: list, max_to
     num_prompt = sum(outputs[-1].num_prompt_tokens for outputs in results)
     num_cached = sum(outputs[0].num_cached_tokens for outputs in results)
     response = (ChatCompletionResponse if chat else CompletionResponse)(
-        id=response_id, created=created, model=body.model, choices=choices,
-        usage=UsageInfo.of(num_prompt, num_out, num_cached))
+        id=response_id,
+        created=created,
+        model=body.model,
+        choices=choices,
+        usage=UsageInfo.of(num_prompt, num_out, num_cached),
+    )
     return JSONResponse(response.model_dump(), headers=headers)
 
 
@@ -854,19 +1006,33 @@ def adapter_rank(path: str) -> int:
     """The rank r an adapter folder's adapter_config.json declares, the largest of its rank_pattern's too; a
     ValueError naming the file if it is malformed."""
     config = read_adapter_config(path)
-    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values()
-                                    if isinstance(r, int) and not isinstance(r, bool))])
+    return max(
+        [
+            int(config["r"]),
+            *(
+                int(r)
+                for r in (config.get("rank_pattern") or {}).values()
+                if isinstance(r, int) and not isinstance(r, bool)
+            ),
+        ]
+    )
 
 
-UNCHUNKED_TOKEN_BUDGET = 2048   # vllm serve's on a CPU, for a server told not to chunk prompts
+UNCHUNKED_TOKEN_BUDGET = 2048  # vllm serve's on a CPU, for a server told not to chunk prompts
 
 
 def server_defaults() -> dict:
     """The engine settings `python -m paged serve` uses unless told otherwise, vllm serve's on a CPU: every prompt
     chunked, prefix caching on, up to 128 sequences. Its token budget (None here) is sized for the machine once the
     model is loaded (serving/token_budget.py). `LLM`'s own defaults, for offline batches, are unchanged."""
-    return {"block_size": 16, "num_blocks": None, "max_num_seqs": 128, "max_num_batched_tokens": None,
-            "enable_chunked_prefill": True, "enable_prefix_caching": True}
+    return {
+        "block_size": 16,
+        "num_blocks": None,
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": None,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+    }
 
 
 def serving_llm(model="smollm2", **settings):
@@ -877,7 +1043,7 @@ def serving_llm(model="smollm2", **settings):
     settings = {**server_defaults(), **settings}
     budget = settings.pop("max_num_batched_tokens")
     if budget is None and not settings["enable_chunked_prefill"]:
-        budget = UNCHUNKED_TOKEN_BUDGET   # every prompt must fit one step: no budget sized for short steps
+        budget = UNCHUNKED_TOKEN_BUDGET  # every prompt must fit one step: no budget sized for short steps
     llm = LLM(model=model, max_num_batched_tokens=budget or MAX_TOKEN_BUDGET, **settings)
     if budget is not None:
         return llm, None
@@ -891,27 +1057,47 @@ def main(args) -> None:
     over it; serve until interrupted."""
     lora_modules = parse_lora_modules(args.lora_modules or [])
     served_name = args.served_model_name or args.model
-    if served_name in lora_modules:   # before the model loads
-        raise ValueError(f"--lora-modules names an adapter {served_name!r}, the served model's name; requests for "
-                         f"the base model would run under it. Give the adapter another name")
+    if served_name in lora_modules:  # before the model loads
+        raise ValueError(
+            f"--lora-modules names an adapter {served_name!r}, the served model's name; requests for "
+            f"the base model would run under it. Give the adapter another name"
+        )
     lora_kwargs = {}
     if lora_modules:
-        lora_kwargs = {"enable_lora": True, "max_loras": len(lora_modules),
-                       "max_lora_rank": max(adapter_rank(p) for p in lora_modules.values())}
-    settings = dict(block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    enable_chunked_prefill=args.enable_chunked_prefill,
-                    enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed,
-                    tensor_parallel_size=args.tensor_parallel_size, **lora_kwargs)
+        lora_kwargs = {
+            "enable_lora": True,
+            "max_loras": len(lora_modules),
+            "max_lora_rank": max(adapter_rank(p) for p in lora_modules.values()),
+        }
+    settings = dict(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        device=args.device,
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **lora_kwargs,
+    )
     client = AsyncMPClient.start(args.model, settings, lora_modules)
     try:
         sized = client.token_budget
         if sized is not None:
-            print(f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
-                  f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)", flush=True)
+            print(
+                f"token budget: {sized.budget} tokens a step (here a step takes {sized.fixed * 1e3:.0f} ms + "
+                f"{sized.per_token * 1e3:.2f} ms a token; --max-num-batched-tokens sets it)",
+                flush=True,
+            )
         loopback = args.host in LOOPBACK_HOSTS or args.host.startswith("127.")
-        app = build_app(client, served_name, lora_modules, args.api_key,
-                        allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None)
+        app = build_app(
+            client,
+            served_name,
+            lora_modules,
+            args.api_key,
+            allowed_hosts=(*LOOPBACK_HOSTS, args.host) if loopback else None,
+        )
         print(f"serving {served_name} on http://{args.host}:{args.port}/v1", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

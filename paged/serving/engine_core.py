@@ -22,8 +22,8 @@ import threading
 
 from paged.engine.async_llm import AsyncLLM, EngineLoop
 
-READY_POLL_S = 1.0      # how often the server checks that the engine core is still alive while it loads
-HEALTH_POLL_S = 0.5     # how often the engine core looks for a dead tensor-parallel worker
+READY_POLL_S = 1.0  # how often the server checks that the engine core is still alive while it loads
+HEALTH_POLL_S = 0.5  # how often the engine core looks for a dead tensor-parallel worker
 
 
 def run_engine_core(conn, model, settings: dict, lora_modules: dict) -> None:
@@ -31,7 +31,8 @@ def run_engine_core(conn, model, settings: dict, lora_modules: dict) -> None:
     (its limits, the token budget it sized), then run the loop on what arrives until told to stop or until the
     server is gone."""
     from paged.serving.api_server import lora_requests, serving_llm
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the server's to handle: it stops this process
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it stops this process
     try:
         llm, sized = serving_llm(model, **settings)
         for adapter in lora_requests(lora_modules).values():
@@ -46,8 +47,18 @@ def run_engine_core(conn, model, settings: dict, lora_modules: dict) -> None:
             conn.send(message)
 
     core = EngineLoop(engine, emit)
-    emit(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.config.vocab_size,
-                    "token_budget": sized, "max_num_batched_tokens": engine.config.max_num_batched_tokens}, None))
+    emit(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.config.vocab_size,
+                "token_budget": sized,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            },
+            None,
+        )
+    )
     threading.Thread(target=take_messages, args=(conn, core), daemon=True).start()
     threading.Thread(target=watch_health, args=(engine, core, emit), daemon=True).start()
     try:
@@ -88,11 +99,15 @@ class AsyncMPClient(AsyncLLM):
         """Start the engine core on `model` with serving_llm's settings and the adapters {name: folder}; raises
         what loading raised there (a ValueError for a bad setting)."""
         from paged.model.loader import model_tokenizer
+
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         # not a daemon: a tensor-parallel engine core starts worker processes of its own
-        process = context.Process(target=run_engine_core, args=(child_conn, model, settings, dict(lora_modules or {})),
-                                  name="paged-engine-core")
+        process = context.Process(
+            target=run_engine_core,
+            args=(child_conn, model, settings, dict(lora_modules or {})),
+            name="paged-engine-core",
+        )
         process.start()
         child_conn.close()
         while not conn.poll(READY_POLL_S):
@@ -121,7 +136,7 @@ class AsyncMPClient(AsyncLLM):
         with self._send_lock:
             try:
                 self._conn.send(message)
-            except (OSError, ValueError):   # the engine core is gone; the reader fails what was waiting on it
+            except (OSError, ValueError):  # the engine core is gone; the reader fails what was waiting on it
                 pass
 
     def _read(self) -> None:

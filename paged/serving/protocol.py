@@ -34,14 +34,15 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries the usage so far
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
 class SamplingRequest(OpenAIBaseModel):
     """The fields both endpoints share."""
+
     model: StrictStr
-    request_id: StrictStr | None = None        # vLLM's: the response id ends with it (an X-Request-Id header wins)
-    frequency_penalty: Number | None = None    # these five: the server refuses all but their neutral values
+    request_id: StrictStr | None = None  # vLLM's: the response id ends with it (an X-Request-Id header wins)
+    frequency_penalty: Number | None = None  # these five: the server refuses all but their neutral values
     presence_penalty: Number | None = None
     repetition_penalty: Number | None = None
     min_tokens: StrictInt | None = None
@@ -54,7 +55,7 @@ class SamplingRequest(OpenAIBaseModel):
     seed: Annotated[StrictInt, Field(ge=0, le=MAX_SEED)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False   # vLLM's: keep a stop string's or stop token's text
+    include_stop_str_in_output: StrictBool = False  # vLLM's: keep a stop string's or stop token's text
     ignore_eos: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -63,12 +64,12 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]   # one, or a batch of several
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16   # 0 with echo: the prompt alone is scored
-    logprobs: NumLogprobs | None = None        # the N most likely tokens at each position, besides the chosen one
-    echo: StrictBool = False                   # the prompt comes back before the completion, text and logprobs
-    prompt_logprobs: NumLogprobs | None = None   # vLLM's: each prompt token's logprob and its N most likely others
-    best_of: StrictInt | None = None           # completions to choose the n best from: only n itself here
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]  # one, or a batch of several
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16  # 0 with echo: the prompt alone is scored
+    logprobs: NumLogprobs | None = None  # the N most likely tokens at each position, besides the chosen one
+    echo: StrictBool = False  # the prompt comes back before the completion, text and logprobs
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's: each prompt token's logprob and its N most likely others
+    best_of: StrictInt | None = None  # completions to choose the n best from: only n itself here
 
 
 class ChatCompletionContentPartTextParam(OpenAIBaseModel):
@@ -78,7 +79,7 @@ class ChatCompletionContentPartTextParam(OpenAIBaseModel):
 
 class ChatCompletionMessageParam(OpenAIBaseModel):
     role: Literal["system", "user", "assistant"]
-    content: StrictStr | list[ChatCompletionContentPartTextParam]   # a string, or text content parts (no images)
+    content: StrictStr | list[ChatCompletionContentPartTextParam]  # a string, or text content parts (no images)
 
     def text(self) -> str:
         """The message's text; content parts joined by newlines, as vLLM joins them."""
@@ -87,14 +88,15 @@ class ChatCompletionMessageParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatCompletionMessageParam] = Field(min_length=1)
-    max_tokens: StrictInt | None = None        # these two: checked as the one the request gives (its max_tokens)
+    max_tokens: StrictInt | None = None  # these two: checked as the one the request gives (its max_tokens)
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False               # each token's log-probability
-    top_logprobs: NumLogprobs | None = None    # and its N most likely alternatives (needs logprobs)
+    logprobs: StrictBool = False  # each token's log-probability
+    top_logprobs: NumLogprobs | None = None  # and its N most likely alternatives (needs logprobs)
 
 
 class TokenizeRequest(OpenAIBaseModel):
     """vLLM's /tokenize for a text prompt."""
+
     model: StrictStr | None = None
     prompt: StrictStr
     add_special_tokens: StrictBool = True
@@ -110,12 +112,15 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 
 class OpenAIResponse(OpenAIBaseModel):
-    optional: ClassVar[frozenset[str]] = frozenset()   # fields left out of the JSON unless given
+    optional: ClassVar[frozenset[str]] = frozenset()  # fields left out of the JSON unless given
 
     @model_serializer(mode="wrap")
     def _leave_out_unset(self, handler):
-        return {key: value for key, value in handler(self).items()
-                if key not in self.optional or key in self.model_fields_set}
+        return {
+            key: value
+            for key, value in handler(self).items()
+            if key not in self.optional or key in self.model_fields_set
+        }
 
 
 class PromptTokenUsageInfo(OpenAIResponse):
@@ -130,19 +135,22 @@ class UsageInfo(OpenAIResponse):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens))
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens),
+        )
 
 
 class CompletionResponseChoice(OpenAIResponse):
     optional = frozenset({"prompt_logprobs", "token_ids", "prompt_token_ids"})
     index: int
     text: str
-    logprobs: dict | None                      # tokens, token_logprobs, top_logprobs, text_offset
+    logprobs: dict | None  # tokens, token_logprobs, top_logprobs, text_offset
     finish_reason: str | None
-    prompt_logprobs: list[dict | None] | None = None   # vLLM's, when asked: in a completion's first choice
-    token_ids: list[int] | None = None         # vLLM's return_token_ids
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's, when asked: in a completion's first choice
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
     prompt_token_ids: list[int] | None = None
 
 
@@ -179,7 +187,7 @@ class ChatCompletionResponseChoice(OpenAIResponse):
     optional = frozenset({"token_ids"})
     index: int
     message: ChatMessage
-    logprobs: dict | None                      # content (per token: token, logprob, bytes, top_logprobs), refusal
+    logprobs: dict | None  # content (per token: token, logprob, bytes, top_logprobs), refusal
     finish_reason: str | None
     token_ids: list[int] | None = None
 
@@ -219,7 +227,7 @@ class ModelCard(OpenAIResponse):
     owned_by: str = "paged"
     root: str
     parent: str | None
-    max_model_len: int | None = None           # the base model's; an adapter's card leaves it out
+    max_model_len: int | None = None  # the base model's; an adapter's card leaves it out
 
 
 class ModelList(OpenAIResponse):

@@ -19,16 +19,16 @@ import numpy as np
 
 from paged.sampling_params import SamplingParams
 
-CALIBRATION_TOKENS = 512     # the prompt timed as one step
-MAX_TOKEN_BUDGET = 8192      # vLLM's server default on a large GPU; more gains nothing on one step
-STEP_TARGET_S = 0.25         # the step time a full budget should take: the worst gap between two tokens
+CALIBRATION_TOKENS = 512  # the prompt timed as one step
+MAX_TOKEN_BUDGET = 8192  # vLLM's server default on a large GPU; more gains nothing on one step
+STEP_TARGET_S = 0.25  # the step time a full budget should take: the worst gap between two tokens
 
 
 @dataclass(frozen=True)
 class TokenBudget:
-    budget: int            # max_num_batched_tokens
-    fixed: float           # seconds of a one-token step
-    per_token: float       # seconds each further token adds
+    budget: int  # max_num_batched_tokens
+    fixed: float  # seconds of a one-token step
+    per_token: float  # seconds each further token adds
 
     def step_time(self, num_tokens: int) -> float:
         """The modelled time of a step computing num_tokens."""
@@ -41,11 +41,11 @@ def time_step(engine, num_tokens: int, seed: int, repeats: int = 2) -> float:
     vocab_size = engine.config.vocab_size
     best = float("inf")
     for _ in range(repeats):
-        prompt = rng.integers(0, vocab_size, num_tokens).tolist()   # fresh ids: nothing in the prefix cache
+        prompt = rng.integers(0, vocab_size, num_tokens).tolist()  # fresh ids: nothing in the prefix cache
         request = engine.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         engine.add_request(request)
         start = time.perf_counter()
-        engine.step()   # the whole prompt and its one token, which ends the request: the budget holds it
+        engine.step()  # the whole prompt and its one token, which ends the request: the budget holds it
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -56,9 +56,11 @@ def size_token_budget(engine, target: float = STEP_TARGET_S) -> TokenBudget:
     engine.require_idle("size_token_budget")
     prompt_tokens = min(CALIBRATION_TOKENS, engine.max_model_len - 1)
     if engine.config.max_num_batched_tokens < prompt_tokens:
-        raise ValueError(f"size_token_budget times a step of {prompt_tokens} tokens; the engine's "
-                         f"max_num_batched_tokens ({engine.config.max_num_batched_tokens}) must hold it")
-    time_step(engine, 1, seed=0)   # warm-up: first calls allocate and compile
+        raise ValueError(
+            f"size_token_budget times a step of {prompt_tokens} tokens; the engine's "
+            f"max_num_batched_tokens ({engine.config.max_num_batched_tokens}) must hold it"
+        )
+    time_step(engine, 1, seed=0)  # warm-up: first calls allocate and compile
     fixed = time_step(engine, 1, seed=1)
     per_token = max(time_step(engine, prompt_tokens, seed=2) - fixed, 0.0) / (prompt_tokens - 1)
     fits = MAX_TOKEN_BUDGET if per_token == 0 else int((target - fixed) / per_token) + 1

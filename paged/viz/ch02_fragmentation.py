@@ -19,8 +19,13 @@ def plot_length_histograms(traces: dict[str, list[TraceRequest]], bins: int = 40
     edges = np.geomspace(1, longest + 1, bins)
     for name, trace in traces.items():
         for ax, lengths in zip(axes, ([r.input_len for r in trace], [r.output_len for r in trace])):
-            ax.hist(lengths, bins=edges, weights=np.full(len(lengths), 1 / len(lengths)), alpha=0.5,
-                    label=f"{name} (mean {np.mean(lengths):.0f})")
+            ax.hist(
+                lengths,
+                bins=edges,
+                weights=np.full(len(lengths), 1 / len(lengths)),
+                alpha=0.5,
+                label=f"{name} (mean {np.mean(lengths):.0f})",
+            )
     for ax, what in zip(axes, ("input", "output")):
         ax.set(xscale="log", xlabel=f"{what} tokens", ylabel="share of requests", title=f"{what} lengths")
         ax.legend(fontsize=8)
@@ -28,14 +33,21 @@ def plot_length_histograms(traces: dict[str, list[TraceRequest]], bins: int = 40
     return fig
 
 
-STATE_COLORS = {"free": "#f2f2f2", "live": "#2e8b57", "reserved": "#f4b942", "internal": "#d9534f",
-                "external": "#7b5ea7"}
+STATE_COLORS = {
+    "free": "#f2f2f2",
+    "live": "#2e8b57",
+    "reserved": "#f4b942",
+    "internal": "#d9534f",
+    "external": "#7b5ea7",
+}
 
 
 def state_legend_html() -> str:
-    items = "".join(f"<span style='display:inline-block;width:12px;height:12px;background:{STATE_COLORS[name]};"
-                    f"border:1px solid #999;margin:0 4px 0 12px;vertical-align:middle'></span>{name}"
-                    for name in STATE_NAMES)
+    items = "".join(
+        f"<span style='display:inline-block;width:12px;height:12px;background:{STATE_COLORS[name]};"
+        f"border:1px solid #999;margin:0 4px 0 12px;vertical-align:middle'></span>{name}"
+        for name in STATE_NAMES
+    )
     return f"<div style='font-size:12px;margin:4px 0'>{items}</div>"
 
 
@@ -43,7 +55,7 @@ def cell_fractions(states: np.ndarray, slots_per_cell: int) -> np.ndarray:
     """Share of each slot state in each cell of slots_per_cell consecutive slots: float [num_cells, 5]."""
     if slots_per_cell < 1 or len(states) % slots_per_cell:
         raise ValueError(f"slots_per_cell must be >= 1 and divide the {len(states)} slots, got {slots_per_cell}")
-    cells = states.reshape(-1, slots_per_cell)                                     # [num_cells, slots_per_cell]
+    cells = states.reshape(-1, slots_per_cell)  # [num_cells, slots_per_cell]
     return np.stack([(cells == code).mean(1) for code in range(len(STATE_NAMES))], axis=1)
 
 
@@ -62,15 +74,19 @@ def memory_map_html(states: np.ndarray, slots_per_cell: int = 16, columns: int =
 
     states: int8 [capacity] slot states (fragmentation.slot_states). Address 0 is top left, row by row.
     """
-    fractions = cell_fractions(states, slots_per_cell)                              # [num_cells, 5]
+    fractions = cell_fractions(states, slots_per_cell)  # [num_cells, 5]
     cells = "".join(f"<div style='background:{_cell_background(f)}'></div>" for f in fractions)
     counts = np.bincount(states, minlength=len(STATE_NAMES))
     caption = ", ".join(f"{name} {count:,}" for name, count in zip(STATE_NAMES, counts))
-    grid = (f"<div style='display:grid;grid-template-columns:repeat({columns}, 8px);grid-auto-rows:14px;gap:1px;"
-            f"background:#ccc;padding:1px;width:max-content'>{cells}</div>")
+    grid = (
+        f"<div style='display:grid;grid-template-columns:repeat({columns}, 8px);grid-auto-rows:14px;gap:1px;"
+        f"background:#ccc;padding:1px;width:max-content'>{cells}</div>"
+    )
     heading = f"<div style='font-weight:bold'>{html.escape(title)}</div>" if title else ""
-    return (f"<div>{heading}{grid}<div style='font-size:12px'>{len(states):,} slots, {slots_per_cell} per cell: "
-            f"{caption}</div>{state_legend_html()}</div>")
+    return (
+        f"<div>{heading}{grid}<div style='font-size:12px'>{len(states):,} slots, {slots_per_cell} per cell: "
+        f"{caption}</div>{state_legend_html()}</div>"
+    )
 
 
 def memory_map_widget(results: list[SimulationResult], slots_per_cell: int = 16, columns: int = 64):
@@ -84,13 +100,17 @@ def memory_map_widget(results: list[SimulationResult], slots_per_cell: int = 16,
 
     def redraw(_=None):
         result = by_scheme[scheme.value]
-        snapped = min(result.layouts, key=lambda s: abs(s - step.value))      # nearest recorded step
-        view.value = memory_map_html(result.layouts[snapped], slots_per_cell, columns,
-                                     title=f"{result.scheme}, step {snapped}: {step_caption(result, snapped)}")
+        snapped = min(result.layouts, key=lambda s: abs(s - step.value))  # nearest recorded step
+        view.value = memory_map_html(
+            result.layouts[snapped],
+            slots_per_cell,
+            columns,
+            title=f"{result.scheme}, step {snapped}: {step_caption(result, snapped)}",
+        )
 
     def rescale(_=None):
         recorded = sorted(by_scheme[scheme.value].layouts)
-        step.max = max(step.max, recorded[-1])          # widen first, so min never passes max
+        step.max = max(step.max, recorded[-1])  # widen first, so min never passes max
         step.min, step.max = recorded[0], recorded[-1]
         step.step = recorded[1] - recorded[0] if len(recorded) > 1 else 1
         redraw()
@@ -104,8 +124,10 @@ def memory_map_widget(results: list[SimulationResult], slots_per_cell: int = 16,
 def step_caption(result: SimulationResult, step: int) -> str:
     """'12 running, 30 waiting, utilisation 41.0 %' for a recorded step."""
     row = int(np.flatnonzero(result.steps == step)[0])
-    return (f"{result.running[row]} running, {result.waiting[row]} waiting, "
-            f"utilisation {100 * result.utilisation[row]:.1f} %")
+    return (
+        f"{result.running[row]} running, {result.waiting[row]} waiting, "
+        f"utilisation {100 * result.utilisation[row]:.1f} %"
+    )
 
 
 def utilisation_series(result: SimulationResult, window: int = 50) -> tuple[np.ndarray, np.ndarray]:
@@ -114,7 +136,7 @@ def utilisation_series(result: SimulationResult, window: int = 50) -> tuple[np.n
     steps, values = result.steps[mask], result.live_share[mask]
     if len(values) > window:
         values = np.convolve(values, np.ones(window) / window, mode="valid")
-        steps = steps[window // 2: window // 2 + len(values)]
+        steps = steps[window // 2 : window // 2 + len(values)]
     return steps, values
 
 
@@ -122,8 +144,13 @@ def plot_utilisation_over_time(results: list[SimulationResult], title: str = "")
     """The share of the KV pool holding tokens (live / pool) against step, one line per scheme, with the paper's
     ranges, which are shares of the same whole."""
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.axhspan(PAPER_ORCA_USAGE["max"], PAPER_ORCA_USAGE["oracle"], color="#d9534f", alpha=0.12,
-               label="paper: existing systems 20.4-38.2 %")
+    ax.axhspan(
+        PAPER_ORCA_USAGE["max"],
+        PAPER_ORCA_USAGE["oracle"],
+        color="#d9534f",
+        alpha=0.12,
+        label="paper: existing systems 20.4-38.2 %",
+    )
     ax.axhline(PAPER_VLLM_USAGE, color="#2e8b57", linestyle="--", label="paper: vLLM 96.3 %")
     for result in results:
         steps, values = utilisation_series(result)
@@ -146,8 +173,7 @@ def plot_breakdown(summaries: list[dict], title: str = ""):
     paper = {**{f"naive-{policy}": value for policy, value in PAPER_ORCA_USAGE.items()}, "paged-16": PAPER_VLLM_USAGE}
     marked = [(i, paper[name]) for i, name in enumerate(names) if name in paper]
     if marked:
-        ax.scatter(*zip(*marked), marker="_", s=600, color="black", linewidths=2, zorder=3,
-                   label="paper: token states")
+        ax.scatter(*zip(*marked), marker="_", s=600, color="black", linewidths=2, zorder=3, label="paper: token states")
     ax.set(ylabel="fraction of the KV pool", ylim=(0, 1), title=title or "Where the KV pool goes")
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
@@ -177,15 +203,31 @@ def plot_block_size_sweep(summaries_by_trace: dict[str, list[dict]]):
     return fig
 
 
-SUMMARY_FORMATS = {"utilisation": ".1%", "live/pool": ".1%", "reserved": ".1%", "internal": ".1%",
-                   "external": ".1%", "mean running": ".1f"}
+SUMMARY_FORMATS = {
+    "utilisation": ".1%",
+    "live/pool": ".1%",
+    "reserved": ".1%",
+    "internal": ".1%",
+    "external": ".1%",
+    "mean running": ".1f",
+}
 
 
 def summary_table_html(summaries: list[dict]) -> str:
     """The figures chapter 02 reports for each scheme, as an HTML table (fractions are of the pool, under load)."""
-    rows = [{"scheme": s["scheme"], "utilisation": s["utilisation"], "live/pool": s["live_fraction"],
-             "reserved": s["reserved_fraction"], "internal": s["internal_fraction"],
-             "external": s["external_fraction"], "mean running": s["mean_concurrency"],
-             "max running": s["max_concurrency"], "steps": s["num_steps"], "preemptions": s["preemptions"]}
-            for s in summaries]
+    rows = [
+        {
+            "scheme": s["scheme"],
+            "utilisation": s["utilisation"],
+            "live/pool": s["live_fraction"],
+            "reserved": s["reserved_fraction"],
+            "internal": s["internal_fraction"],
+            "external": s["external_fraction"],
+            "mean running": s["mean_concurrency"],
+            "max running": s["max_concurrency"],
+            "steps": s["num_steps"],
+            "preemptions": s["preemptions"],
+        }
+        for s in summaries
+    ]
     return html_table(rows, formats=SUMMARY_FORMATS)

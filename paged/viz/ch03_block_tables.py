@@ -20,12 +20,13 @@ def seq_colour(seq_id: int) -> str:
 @dataclass(frozen=True)
 class PoolSnapshot:
     """What a BlockManager holds at one moment, as plain data: enough to draw it, and to test the drawing."""
+
     block_size: int
     tables: dict[int, list[int]]  # seq_id -> physical block ids, in logical order
-    ref_counts: list[int]         # block_id -> number of tables that hold it
-    free_queue: list[int]         # free block ids, in the order they will be handed out
-    num_tokens: dict[int, int]    # seq_id -> tokens it holds (they fill its blocks' slots in order)
-    labels: dict[int, str]        # seq_id -> the name drawn for it
+    ref_counts: list[int]  # block_id -> number of tables that hold it
+    free_queue: list[int]  # free block ids, in the order they will be handed out
+    num_tokens: dict[int, int]  # seq_id -> tokens it holds (they fill its blocks' slots in order)
+    labels: dict[int, str]  # seq_id -> the name drawn for it
     caption: str = ""
 
     @property
@@ -42,8 +43,12 @@ class PoolSnapshot:
         return max(0, min(self.block_size, self.num_tokens[seq_id] - logical * self.block_size))
 
 
-def snapshot(manager: BlockManager, num_tokens: dict[int, int] | None = None, labels: dict[int, str] | None = None,
-             caption: str = "") -> PoolSnapshot:
+def snapshot(
+    manager: BlockManager,
+    num_tokens: dict[int, int] | None = None,
+    labels: dict[int, str] | None = None,
+    caption: str = "",
+) -> PoolSnapshot:
     """Copy a BlockManager's tables, ref counts and free queue. num_tokens defaults to full blocks."""
     tables = {seq_id: list(table) for seq_id, table in sorted(manager.block_tables.items())}
     num_tokens = num_tokens or {}
@@ -55,16 +60,19 @@ def snapshot(manager: BlockManager, num_tokens: dict[int, int] | None = None, la
         free_queue=[block.block_id for block in manager.free_queue],
         num_tokens={s: num_tokens.get(s, len(t) * manager.block_size) for s, t in tables.items()},
         labels={s: labels.get(s, f"seq {s}") for s in tables},
-        caption=caption)
+        caption=caption,
+    )
 
 
 def engine_snapshot(engine, caption: str = "") -> PoolSnapshot:
     """The live block tables of an LLMEngine, each labelled with its request and filled to its computed tokens."""
     running = {seq.seq_id: seq for seq in engine.scheduler.running}
-    return snapshot(engine.block_manager,
-                    num_tokens={i: seq.num_computed_tokens for i, seq in running.items()},
-                    labels={i: f"request {seq.request.request_id}" for i, seq in running.items()},
-                    caption=caption)
+    return snapshot(
+        engine.block_manager,
+        num_tokens={i: seq.num_computed_tokens for i, seq in running.items()},
+        labels={i: f"request {seq.request.request_id}" for i, seq in running.items()},
+        caption=caption,
+    )
 
 
 def replay(num_blocks: int, block_size: int, events: list[tuple]) -> list[PoolSnapshot]:
@@ -96,8 +104,13 @@ def replay(num_blocks: int, block_size: int, events: list[tuple]) -> list[PoolSn
             freed = [b for b in manager.block_tables[seq_id] if manager.ref_count(b) == 1]
             manager.free(seq_id)
             del num_tokens[seq_id]
-            returned = (f"block {freed[0]} returns" if len(freed) == 1 else
-                        f"blocks {', '.join(map(str, freed))} return" if freed else "no block returns")
+            returned = (
+                f"block {freed[0]} returns"
+                if len(freed) == 1
+                else f"blocks {', '.join(map(str, freed))} return"
+                if freed
+                else "no block returns"
+            )
             caption = f"seq {seq_id} finishes: {returned} to the free queue"
         else:
             raise ValueError(f"unknown event kind {kind!r}; use 'allocate', 'fork' or 'free'")
@@ -113,14 +126,19 @@ def decode_script(requests: list[tuple[int, int, int]]) -> list[tuple]:
     last_step = max(arrival + new for arrival, _, new in requests)
     for step in range(last_step + 1):
         events += [("free", seq_id) for seq_id, (arrival, _, new) in enumerate(requests) if step == arrival + new]
-        events += [("allocate", seq_id, prompt_len + step - arrival)
-                   for seq_id, (arrival, prompt_len, new) in enumerate(requests) if arrival <= step < arrival + new]
+        events += [
+            ("allocate", seq_id, prompt_len + step - arrival)
+            for seq_id, (arrival, prompt_len, new) in enumerate(requests)
+            if arrival <= step < arrival + new
+        ]
     return events
 
 
 # What every drawn block shares, written once per drawing; a block's own style holds only its colour and border.
-BLOCK_CSS = ("<style>.blk{display:inline-block;width:38px;height:34px;margin:2px;border-radius:4px;text-align:center;"
-             "font:12px/16px monospace;color:#111;vertical-align:top;box-sizing:border-box;padding-top:1px}</style>")
+BLOCK_CSS = (
+    "<style>.blk{display:inline-block;width:38px;height:34px;margin:2px;border-radius:4px;text-align:center;"
+    "font:12px/16px monospace;color:#111;vertical-align:top;box-sizing:border-box;padding-top:1px}</style>"
+)
 
 
 def block_cell(block_id: int, colour: str, filled: int, block_size: int, ref_count: int, attrs: str) -> str:
@@ -130,8 +148,10 @@ def block_cell(block_id: int, colour: str, filled: int, block_size: int, ref_cou
     border = "2px dashed #111" if ref_count > 1 else "1px solid #888"
     badge = f"<br><b>&times;{ref_count}</b>" if ref_count > 1 else "<br>&nbsp;"
     title = f"block {block_id}: {filled}/{block_size} slots, ref count {ref_count}"
-    return (f'<div class="blk" {attrs} data-block="{block_id}" data-ref="{ref_count}" title="{title}" '
-            f'style="background:{background};border:{border}">{block_id}{badge}</div>')
+    return (
+        f'<div class="blk" {attrs} data-block="{block_id}" data-ref="{ref_count}" title="{title}" '
+        f'style="background:{background};border:{border}">{block_id}{badge}</div>'
+    )
 
 
 def block_tables_html(snap: PoolSnapshot) -> str:
@@ -141,15 +161,27 @@ def block_tables_html(snap: PoolSnapshot) -> str:
     rows = []
     for seq_id, table in snap.tables.items():
         cells = "".join(
-            block_cell(block, seq_colour(snap.owner(block)), snap.tokens_in(seq_id, logical), snap.block_size,
-                        snap.ref_counts[block], f'data-seq="{seq_id}" data-logical="{logical}"')
-            for logical, block in enumerate(table))
+            block_cell(
+                block,
+                seq_colour(snap.owner(block)),
+                snap.tokens_in(seq_id, logical),
+                snap.block_size,
+                snap.ref_counts[block],
+                f'data-seq="{seq_id}" data-logical="{logical}"',
+            )
+            for logical, block in enumerate(table)
+        )
         name = html.escape(snap.labels[seq_id])
-        rows.append(f'<div class="table-row" data-seq="{seq_id}" style="white-space:nowrap">'
-                    f'<span style="display:inline-block;width:170px;font:12px monospace;color:{seq_colour(seq_id)}">'
-                    f'<b>{name}</b> ({snap.num_tokens[seq_id]} tok)</span>{cells}</div>')
-    return (f'<div class="tables">{BLOCK_CSS}<b>block tables</b> (logical block 0, 1, 2, ... &rarr; physical block)'
-            + "".join(rows) + "</div>")
+        rows.append(
+            f'<div class="table-row" data-seq="{seq_id}" style="white-space:nowrap">'
+            f'<span style="display:inline-block;width:170px;font:12px monospace;color:{seq_colour(seq_id)}">'
+            f"<b>{name}</b> ({snap.num_tokens[seq_id]} tok)</span>{cells}</div>"
+        )
+    return (
+        f'<div class="tables">{BLOCK_CSS}<b>block tables</b> (logical block 0, 1, 2, ... &rarr; physical block)'
+        + "".join(rows)
+        + "</div>"
+    )
 
 
 def physical_pool_html(snap: PoolSnapshot) -> str:
@@ -162,13 +194,23 @@ def physical_pool_html(snap: PoolSnapshot) -> str:
             cells.append(block_cell(block_id, FREE_COLOUR, 0, snap.block_size, 0, 'data-free="1"'))
         else:
             logical = snap.tables[owner].index(block_id)
-            cells.append(block_cell(block_id, seq_colour(owner), snap.tokens_in(owner, logical), snap.block_size,
-                                     ref_count, f'data-seq="{owner}"'))
+            cells.append(
+                block_cell(
+                    block_id,
+                    seq_colour(owner),
+                    snap.tokens_in(owner, logical),
+                    snap.block_size,
+                    ref_count,
+                    f'data-seq="{owner}"',
+                )
+            )
     queue = " &rarr; ".join(map(str, snap.free_queue)) or "empty"
     used = snap.num_blocks - len(snap.free_queue)
-    return (f'<div class="pool">{BLOCK_CSS}<b>physical pool</b> ({used} of {snap.num_blocks} blocks used)'
-            f'<div style="max-width:640px">{"".join(cells)}</div>'
-            f'<div class="free-queue" style="font:12px monospace">free queue: {queue}</div></div>')
+    return (
+        f'<div class="pool">{BLOCK_CSS}<b>physical pool</b> ({used} of {snap.num_blocks} blocks used)'
+        f'<div style="max-width:640px">{"".join(cells)}</div>'
+        f'<div class="free-queue" style="font:12px monospace">free queue: {queue}</div></div>'
+    )
 
 
 def snapshot_html(snap: PoolSnapshot) -> str:

@@ -22,9 +22,11 @@ from paged.viz.ch03_block_tables import (
 from paged.viz.common import PALETTE, player
 
 IDLE_CACHED_COLOUR = "#c6dbef"  # a block no table holds that keeps its tokens and its hash
-CACHED_OUTLINE = "#08519c"      # drawn around every block the prefix cache holds
-_HASH_STYLE = ("display:inline-block;min-width:34px;height:22px;margin:2px;padding:0 3px;border-radius:4px;"
-               "text-align:center;font:12px/22px monospace;color:#111;border:1px solid #888;")
+CACHED_OUTLINE = "#08519c"  # drawn around every block the prefix cache holds
+_HASH_STYLE = (
+    "display:inline-block;min-width:34px;height:22px;margin:2px;padding:0 3px;border-radius:4px;"
+    "text-align:center;font:12px/22px monospace;color:#111;border:1px solid #888;"
+)
 
 
 def hash_names(chains: dict[str, list[bytes]]) -> dict[str, list[str]]:
@@ -41,18 +43,25 @@ def hash_chain_html(chains: dict[str, list[bytes]], block_texts: dict[str, list[
     rows = []
     for label, names in hash_names(chains).items():
         texts = block_texts.get(label, [""] * len(names))
-        cells = "".join(f'<div class="hash" data-hash="{name}" title="{html.escape(text)}" style="{_HASH_STYLE}'
-                        f'background:{PALETTE[(int(name[1:]) - 1) % len(PALETTE)]}">{name}</div>'
-                        for name, text in zip(names, texts))
-        rows.append(f'<div class="hash-row" style="white-space:nowrap"><span style="display:inline-block;'
-                    f'width:220px;font:12px monospace">{html.escape(label)}</span>{cells}</div>')
-    return ('<div class="hash-chains"><b>block hashes</b> (block 0, 1, 2, ... of each prompt; equal name = equal '
-            'hash)' + "".join(rows) + "</div>")
+        cells = "".join(
+            f'<div class="hash" data-hash="{name}" title="{html.escape(text)}" style="{_HASH_STYLE}'
+            f'background:{PALETTE[(int(name[1:]) - 1) % len(PALETTE)]}">{name}</div>'
+            for name, text in zip(names, texts)
+        )
+        rows.append(
+            f'<div class="hash-row" style="white-space:nowrap"><span style="display:inline-block;'
+            f'width:220px;font:12px monospace">{html.escape(label)}</span>{cells}</div>'
+        )
+    return (
+        '<div class="hash-chains"><b>block hashes</b> (block 0, 1, 2, ... of each prompt; equal name = equal '
+        "hash)" + "".join(rows) + "</div>"
+    )
 
 
 @dataclass(frozen=True)
 class CacheSnapshot:
     """A PoolSnapshot plus the blocks the prefix cache holds."""
+
     pool: PoolSnapshot
     cached: frozenset[int]  # block ids registered under a hash, whether a table holds them or not
 
@@ -67,8 +76,12 @@ def _cached_ids(manager: BlockManager) -> frozenset[int]:
     return frozenset(block.block_id for block in manager.cached.values())
 
 
-def cache_snapshot(manager: BlockManager, num_tokens: dict[int, int] | None = None,
-                   labels: dict[int, str] | None = None, caption: str = "") -> CacheSnapshot:
+def cache_snapshot(
+    manager: BlockManager,
+    num_tokens: dict[int, int] | None = None,
+    labels: dict[int, str] | None = None,
+    caption: str = "",
+) -> CacheSnapshot:
     """Copy a prefix-caching BlockManager's tables, ref counts, free queue and cached blocks."""
     return CacheSnapshot(snapshot(manager, num_tokens, labels, caption), _cached_ids(manager))
 
@@ -93,13 +106,14 @@ def prefix_replay(manager: BlockManager, events: list[tuple]) -> list[CacheSnaps
             (token_ids,) = rest
             hits = manager.find_cached_prefix(token_ids)
             was_cached = _cached_ids(manager)
-            new = manager.allocate(seq_id, len(token_ids), hits)[len(hits):]
+            new = manager.allocate(seq_id, len(token_ids), hits)[len(hits) :]
             manager.cache_full_blocks(seq_id, token_ids, len(token_ids))
             num_tokens[seq_id] = len(token_ids)
             evicted = [block_id for block_id in new if block_id in was_cached]
-            caption = (f"seq {seq_id} ({len(token_ids)} tokens): {len(hits) * manager.block_size} from the cache "
-                       f"{[block.block_id for block in hits]}, new blocks {new}"
-                       + (f", evicting {evicted}" if evicted else ""))
+            caption = (
+                f"seq {seq_id} ({len(token_ids)} tokens): {len(hits) * manager.block_size} from the cache "
+                f"{[block.block_id for block in hits]}, new blocks {new}" + (f", evicting {evicted}" if evicted else "")
+            )
         elif kind == "free":
             returned = [b for b in reversed(manager.block_tables[seq_id]) if manager.ref_count(b) == 1]
             manager.free(seq_id)
@@ -126,22 +140,28 @@ def cache_pool_html(snap: CacheSnapshot) -> str:
         else:
             cell = block_cell(block_id, FREE_COLOUR, 0, pool.block_size, 0, 'data-free="1"')
         if block_id in snap.cached:
-            cell = (f'<span class="cached" data-block="{block_id}" style="display:inline-block;vertical-align:top;'
-                    f'border-radius:6px;outline:2px solid {CACHED_OUTLINE};outline-offset:-1px">{cell}</span>')
+            cell = (
+                f'<span class="cached" data-block="{block_id}" style="display:inline-block;vertical-align:top;'
+                f'border-radius:6px;outline:2px solid {CACHED_OUTLINE};outline-offset:-1px">{cell}</span>'
+            )
         cells.append(cell)
     queue = " &rarr; ".join(f"{b}*" if b in snap.cached else str(b) for b in pool.free_queue) or "empty"
     evicted = snap.next_evicted
     held = sum(1 for b in snap.cached if pool.ref_counts[b] > 0)
-    legend = (f'<span style="outline:2px solid {CACHED_OUTLINE}">&nbsp;outlined&nbsp;</span> in the prefix cache, '
-              f'<span style="background:{IDLE_CACHED_COLOUR}">&nbsp;pale blue&nbsp;</span> cached and idle (ref count '
-              f'0, tokens kept), <span style="background:{FREE_COLOUR}">&nbsp;grey&nbsp;</span> empty')
-    return (f'<div class="pool">{BLOCK_CSS}<b>physical pool</b> ({pool.num_blocks - len(pool.free_queue)} of {pool.num_blocks} '
-            f'blocks held; {len(snap.cached)} cached: {held} held, {len(snap.cached) - held} idle)'
-            f'<div style="font:11px sans-serif;margin:2px 0">{legend}</div>'
-            f'<div style="max-width:680px">{"".join(cells)}</div>'
-            f'<div class="free-queue" style="font:12px monospace">free queue (head first, * cached): {queue}</div>'
-            f'<div class="next-evicted" style="font:12px monospace">next eviction: '
-            f'{"none" if evicted is None else f"block {evicted}"}</div></div>')
+    legend = (
+        f'<span style="outline:2px solid {CACHED_OUTLINE}">&nbsp;outlined&nbsp;</span> in the prefix cache, '
+        f'<span style="background:{IDLE_CACHED_COLOUR}">&nbsp;pale blue&nbsp;</span> cached and idle (ref count '
+        f'0, tokens kept), <span style="background:{FREE_COLOUR}">&nbsp;grey&nbsp;</span> empty'
+    )
+    return (
+        f'<div class="pool">{BLOCK_CSS}<b>physical pool</b> ({pool.num_blocks - len(pool.free_queue)} of {pool.num_blocks} '
+        f"blocks held; {len(snap.cached)} cached: {held} held, {len(snap.cached) - held} idle)"
+        f'<div style="font:11px sans-serif;margin:2px 0">{legend}</div>'
+        f'<div style="max-width:680px">{"".join(cells)}</div>'
+        f'<div class="free-queue" style="font:12px monospace">free queue (head first, * cached): {queue}</div>'
+        f'<div class="next-evicted" style="font:12px monospace">next eviction: '
+        f"{'none' if evicted is None else f'block {evicted}'}</div></div>"
+    )
 
 
 def cache_snapshot_html(snap: CacheSnapshot) -> str:
@@ -163,8 +183,14 @@ def scheduled_prefills(engine) -> list[dict]:
     for seq, num_new in engine.last_schedule.scheduled:
         start = seq.num_computed_tokens - num_new
         if start < seq.num_prompt_tokens:  # a decode starts at or past the prompt's end
-            rows.append({"request": seq.request.request_id, "prompt_tokens": seq.num_prompt_tokens,
-                         "cached_tokens": start, "computed_tokens": num_new})
+            rows.append(
+                {
+                    "request": seq.request.request_id,
+                    "prompt_tokens": seq.num_prompt_tokens,
+                    "cached_tokens": start,
+                    "computed_tokens": num_new,
+                }
+            )
     return rows
 
 
@@ -181,6 +207,6 @@ def plot_ttft(ttfts: dict[str, list[float]], title: str = ""):
         ax.annotate(f"{np.median(values):.2f} s", (x, np.median(values)), ha="center", va="bottom")
     ax.set_xticks(range(len(ttfts)), list(ttfts))
     ax.set(ylabel="time to first token (s), linear from 0", title=title or "TTFT")
-    ax.set_ylim(bottom=0, top=1.15 * max(max(values) for values in ttfts.values()))   # room for the labels
+    ax.set_ylim(bottom=0, top=1.15 * max(max(values) for values in ttfts.values()))  # room for the labels
     fig.tight_layout()
     return fig

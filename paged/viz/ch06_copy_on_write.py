@@ -23,10 +23,16 @@ def fork_caption(step: int, tables: dict[int, list[int]], copies: list[tuple[int
     tables: seq_id -> block table now; before: the sequences of the previous frame. A new sequence whose first
     block an older one holds too is a fork; any other new sequence has started."""
     new = set(tables) - before
-    forked = {seq_id for seq_id in new if any(other < seq_id and table[:1] == tables[seq_id][:1]
-                                              for other, table in tables.items())}
-    events = [f"seq {', '.join(map(str, sorted(ids)))} {what}"
-              for ids, what in ((new - forked, "started"), (forked, "forked"), (before - set(tables), "freed")) if ids]
+    forked = {
+        seq_id
+        for seq_id in new
+        if any(other < seq_id and table[:1] == tables[seq_id][:1] for other, table in tables.items())
+    }
+    events = [
+        f"seq {', '.join(map(str, sorted(ids)))} {what}"
+        for ids, what in ((new - forked, "started"), (forked, "forked"), (before - set(tables), "freed"))
+        if ids
+    ]
     if copies:
         events.append("copy-on-write " + ", ".join(f"{src}→{dst}" for src, dst in copies))
     held = BlockSteps.of(tables.values())
@@ -57,8 +63,9 @@ def plot_usage_over_time(series: dict[str, list[BlockSteps]]):
     for colour, (name, usage) in zip(PALETTE, series.items()):
         steps = range(1, len(usage) + 1)
         ax.plot(steps, [u.logical for u in usage], color=colour, linestyle="--", label=f"{name}: without sharing")
-        ax.plot(steps, [u.physical for u in usage], color=colour, marker="o", markersize=3,
-                label=f"{name}: shared blocks")
+        ax.plot(
+            steps, [u.physical for u in usage], color=colour, marker="o", markersize=3, label=f"{name}: shared blocks"
+        )
     ax.set(xlabel="engine step", ylabel="KV blocks held", ylim=(0, None), title="What sharing saves, step by step")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
@@ -67,9 +74,17 @@ def plot_usage_over_time(series: dict[str, list[BlockSteps]]):
 
 def savings_table_html(rows: list[dict]) -> str:
     """Measured savings beside the paper's range (its range runs over n or width = 2, 4, 6)."""
-    table = [{"method": r["method"], "model": r["model"], "trace": r["trace"], "n or width": r["n"],
-              "measured": r["saving"],
-              "paper (n = 2-6)": "{:.1%} - {:.1%}".format(*r["paper"]) if r["paper"] else "-"} for r in rows]
+    table = [
+        {
+            "method": r["method"],
+            "model": r["model"],
+            "trace": r["trace"],
+            "n or width": r["n"],
+            "measured": r["saving"],
+            "paper (n = 2-6)": "{:.1%} - {:.1%}".format(*r["paper"]) if r["paper"] else "-",
+        }
+        for r in rows
+    ]
     return html_table(table, formats={"measured": ".1%"})
 
 
@@ -83,8 +98,13 @@ def plot_savings(rows: list[dict]):
         ours = [r for r in rows if r["method"] == method]
         for (trace, model), marker in zip(dict.fromkeys((r["trace"], r["model"]) for r in ours), "osD^v"):
             line = [r for r in ours if (r["trace"], r["model"]) == (trace, model)]
-            ax.plot([r["n"] for r in line], [r["saving"] for r in line], marker=marker,
-                    color=PALETTE[traces.index(trace)], label=f"{trace}, {model}")
+            ax.plot(
+                [r["n"] for r in line],
+                [r["saving"] for r in line],
+                marker=marker,
+                color=PALETTE[traces.index(trace)],
+                label=f"{trace}, {model}",
+            )
         for trace in dict.fromkeys(r["trace"] for r in ours if r["paper"]):
             low, high = next(r["paper"] for r in ours if r["trace"] == trace)
             ax.axhspan(low, high, color=PALETTE[traces.index(trace)], alpha=0.15, label=f"{trace}, paper")

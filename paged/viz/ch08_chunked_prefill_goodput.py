@@ -35,15 +35,19 @@ def plot_latency_cdfs(results: dict[str, dict[float, ReplayResult]], slo: SLO | 
     """Distributions of TTFT, TPOT and each request's worst inter-token gap (rows), one column per request rate,
     one curve per configuration; an SLO's finite limits as dashed lines."""
     rates = sorted(next(iter(results.values())))
-    metrics = [("TTFT (s)", lambda r: [r.ttft], "ttft"), ("TPOT (s)", lambda r: [r.tpot] if r.tpot else [], "tpot"),
-               ("worst gap between tokens (s)", lambda r: [max(r.itl)] if r.itl else [], "itl")]
+    metrics = [
+        ("TTFT (s)", lambda r: [r.ttft], "ttft"),
+        ("TPOT (s)", lambda r: [r.tpot] if r.tpot else [], "tpot"),
+        ("worst gap between tokens (s)", lambda r: [max(r.itl)] if r.itl else [], "itl"),
+    ]
     fig, axes = plt.subplots(len(metrics), len(rates), figsize=(3.6 * len(rates), 2.6 * len(metrics)), squeeze=False)
     for row, (name, values, limit) in enumerate(metrics):
         for col, rate in enumerate(rates):
             ax = axes[row][col]
             for label, by_rate in results.items():
-                ax.step(*empirical_cdf([v for r in by_rate[rate].requests for v in values(r)]), where="post",
-                        label=label)
+                ax.step(
+                    *empirical_cdf([v for r in by_rate[rate].requests for v in values(r)]), where="post", label=label
+                )
             if slo is not None and np.isfinite(getattr(slo, limit)):
                 ax.axvline(getattr(slo, limit), color="k", ls="--", lw=1)
             ax.set(xlabel=name, ylim=(0, 1.02))

@@ -24,25 +24,38 @@ def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
         at_verify.clear()
         for seq, _ in plan.scheduled:
             if seq.spec_token_ids:
-                at_verify[seq.seq_id] = (seq, list(seq.spec_token_ids), seq.num_tokens,
-                                         seq.request.metrics.num_accepted_tokens,
-                                         len(engine.block_manager.block_tables[seq.seq_id]))
+                at_verify[seq.seq_id] = (
+                    seq,
+                    list(seq.spec_token_ids),
+                    seq.num_tokens,
+                    seq.request.metrics.num_accepted_tokens,
+                    len(engine.block_manager.block_tables[seq.seq_id]),
+                )
 
     engine.forward_observers.append(observe)
     try:
         for step in range(max_steps):
             if not engine.has_unfinished_requests():
                 break
-            blocks_before = {s.seq_id: len(engine.block_manager.block_tables.get(s.seq_id, ()))
-                             for s in engine.scheduler.running}
+            blocks_before = {
+                s.seq_id: len(engine.block_manager.block_tables.get(s.seq_id, ())) for s in engine.scheduler.running
+            }
             engine.step()
             for seq_id, (seq, drafts, num_tokens, accepted_before, blocks_at_verify) in at_verify.items():
-                records.append({"step": step, "seq_id": seq_id, "drafts": drafts,
-                                "appended": seq.token_ids[num_tokens:],
-                                "num_accepted": seq.request.metrics.num_accepted_tokens - accepted_before,
-                                "blocks_before": blocks_before.get(seq_id, 0), "blocks_at_verify": blocks_at_verify,
-                                "blocks_after": len(engine.block_manager.block_tables.get(seq_id, ())),
-                                "num_computed_after": seq.num_computed_tokens, "finished": seq.is_finished})
+                records.append(
+                    {
+                        "step": step,
+                        "seq_id": seq_id,
+                        "drafts": drafts,
+                        "appended": seq.token_ids[num_tokens:],
+                        "num_accepted": seq.request.metrics.num_accepted_tokens - accepted_before,
+                        "blocks_before": blocks_before.get(seq_id, 0),
+                        "blocks_at_verify": blocks_at_verify,
+                        "blocks_after": len(engine.block_manager.block_tables.get(seq_id, ())),
+                        "num_computed_after": seq.num_computed_tokens,
+                        "finished": seq.is_finished,
+                    }
+                )
     finally:
         engine.forward_observers.remove(observe)
     return records
@@ -51,24 +64,33 @@ def record_verifies(engine, max_steps: int = 1000) -> list[dict]:
 def verify_steps_html(records: list[dict], decode=str, limit: int = 12) -> str:
     """A table of verify steps: drafts accepted (green), rejected (red, struck), the target's own token (blue),
     and the blocks the sequence held before the step, at the verify (lookahead slots) and after the rollback."""
-    style = {"accepted": "background:#c8e6c9", "rejected": "background:#ffcdd2;text-decoration:line-through",
-             "target": "background:#bbdefb"}
+    style = {
+        "accepted": "background:#c8e6c9",
+        "rejected": "background:#ffcdd2;text-decoration:line-through",
+        "target": "background:#bbdefb",
+    }
 
     def cell(token, kind):
-        return f'<span style="{style[kind]};padding:1px 3px;margin:1px;font-family:monospace">' \
-               f'{html.escape(decode(token))}</span>'
+        return (
+            f'<span style="{style[kind]};padding:1px 3px;margin:1px;font-family:monospace">'
+            f"{html.escape(decode(token))}</span>"
+        )
 
     rows = []
     for r in records[:limit]:
         a = r["num_accepted"]
         drafts = "".join(cell(t, "accepted" if i < a else "rejected") for i, t in enumerate(r["drafts"]))
-        extra = r["appended"][a:a + 1]
+        extra = r["appended"][a : a + 1]
         appended = "".join(cell(t, "accepted") for t in r["appended"][:a]) + "".join(cell(t, "target") for t in extra)
-        blocks = f'{r["blocks_before"]} &rarr; {r["blocks_at_verify"]} &rarr; {r["blocks_after"]}'
-        rows.append(f'<tr><td>{r["step"]}</td><td>{r["seq_id"]}</td><td>{drafts}</td><td>{a}/{len(r["drafts"])}</td>'
-                    f'<td>{appended}</td><td style="text-align:center">{blocks}</td></tr>')
-    head = ("<tr><th>step</th><th>seq</th><th>drafts (kept / rejected)</th><th>kept</th>"
-            "<th>appended (+ target's token)</th><th>blocks: before &rarr; verify &rarr; after</th></tr>")
+        blocks = f"{r['blocks_before']} &rarr; {r['blocks_at_verify']} &rarr; {r['blocks_after']}"
+        rows.append(
+            f"<tr><td>{r['step']}</td><td>{r['seq_id']}</td><td>{drafts}</td><td>{a}/{len(r['drafts'])}</td>"
+            f'<td>{appended}</td><td style="text-align:center">{blocks}</td></tr>'
+        )
+    head = (
+        "<tr><th>step</th><th>seq</th><th>drafts (kept / rejected)</th><th>kept</th>"
+        "<th>appended (+ target's token)</th><th>blocks: before &rarr; verify &rarr; after</th></tr>"
+    )
     return f'<table style="border-collapse:collapse">{head}{"".join(rows)}</table>'
 
 
@@ -95,8 +117,9 @@ def plot_speedup_curves(ks=(1, 3, 5), costs=(0.0, 0.1, 0.3), points=()):
     return fig
 
 
-def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512,
-                          points=(), verify_costs=None):
+def plot_speedup_vs_batch(
+    step_cost, acceptances, num_drafts: int = 3, context: int = 200, max_batch: int = 512, points=(), verify_costs=None
+):
     """The modelled speedup of a free proposer (prompt lookup) against batch size, one curve per per-position
     acceptance a, each step priced by step_cost (paged.analysis.step_cost.StepCost); where a curve crosses 1 is where
     speculation stops paying. points: (batch, speedup, label) measured, each with its own marker in the legend.
@@ -106,13 +129,15 @@ def plot_speedup_vs_batch(step_cost, acceptances, num_drafts: int = 3, context: 
     batches = np.unique(np.geomspace(1, max_batch, 64).round().astype(int)).tolist()
     for a in acceptances:
         stops = crossover_batch(step_cost, num_drafts, a, context, max_batch=max_batch)
-        label = f"a = {a:.2f}: " + ("never pays" if stops == 1 else f"stops at batch {stops}" if stops
-                                    else f"pays up to {max_batch}")
-        line, = ax.plot(batches, [verify_speedup(step_cost, b, num_drafts, a, context) for b in batches], label=label)
+        label = f"a = {a:.2f}: " + (
+            "never pays" if stops == 1 else f"stops at batch {stops}" if stops else f"pays up to {max_batch}"
+        )
+        (line,) = ax.plot(batches, [verify_speedup(step_cost, b, num_drafts, a, context) for b in batches], label=label)
         if verify_costs:
             timed = sorted(verify_costs)
-            ax.plot(timed, [expected_tokens(a, num_drafts) / verify_costs[b] for b in timed], "x:",
-                    color=line.get_color())
+            ax.plot(
+                timed, [expected_tokens(a, num_drafts) / verify_costs[b] for b in timed], "x:", color=line.get_color()
+            )
     if verify_costs:
         ax.plot([], [], "x:", color="grey", label="x: at the timed verify cost")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")

@@ -27,10 +27,16 @@ def plot_step_parts(rows: dict[str, dict], bandwidth: float):
     fig, ax = plt.subplots(figsize=(7.2, 1.3 + 0.55 * len(bars)))
     for y, bar in enumerate(bars):
         for colour, part in zip(PALETTE, bar["parts"]):
-            ax.barh(y, part["width"], left=part["left"], color=colour, height=0.6,
-                    label=part["part"] if y == 0 else None)
-        ax.plot([bar["floor_ms"]] * 2, [y - 0.4, y + 0.4], color="black", lw=2,
-                label="memory floor (bytes read once)" if y == 0 else None)
+            ax.barh(
+                y, part["width"], left=part["left"], color=colour, height=0.6, label=part["part"] if y == 0 else None
+            )
+        ax.plot(
+            [bar["floor_ms"]] * 2,
+            [y - 0.4, y + 0.4],
+            color="black",
+            lw=2,
+            label="memory floor (bytes read once)" if y == 0 else None,
+        )
     ax.set_yticks(range(len(bars)), [bar["label"] for bar in bars])
     ax.invert_yaxis()
     ax.set(xlabel="ms per decode step (host time, the engine's own timers)", title="one decode step, part by part")

@@ -33,8 +33,9 @@ def shared_table_layout(num_kv_heads: int, tp_size: int, tables: dict[str, list[
     return ranks
 
 
-def draw_shared_block_table(num_kv_heads: int, tp_size: int, tables: dict[str, list[int]], num_blocks: int,
-                            title: str = ""):
+def draw_shared_block_table(
+    num_kv_heads: int, tp_size: int, tables: dict[str, list[int]], num_blocks: int, title: str = ""
+):
     """The block tables at the top, then one pool per rank: a row per KV head the rank holds, a column per physical
     block, each block coloured by the sequence whose table names it. The same columns light up on every rank."""
     layout = shared_table_layout(num_kv_heads, tp_size, tables, num_blocks)
@@ -61,8 +62,9 @@ def draw_shared_block_table(num_kv_heads: int, tp_size: int, tables: dict[str, l
             ax.text(x + 0.45, y + 0.4, str(x), ha="center", va="center", fontsize=6, color="#666")
         for head in rank["heads"]:
             y += 1
-            label = f"KV head {head['head']}" + (f" (copy {head['copy']} of {head['copies']})"
-                                                  if head["copies"] > 1 else "")
+            label = f"KV head {head['head']}" + (
+                f" (copy {head['copy']} of {head['copies']})" if head["copies"] > 1 else ""
+            )
             ax.text(-0.2, y + 0.4, label, ha="right", va="center", fontsize=7)
             for x, name in enumerate(rank["blocks"]):
                 cell(x, y, colours[name] if name else FREE_COLOUR, hatch="///" if head["copy"] > 1 and name else None)
@@ -79,15 +81,25 @@ def plot_all_reduce(times: AllReduceTimes, latency: float, bandwidth: float, mar
     (latency + ring bytes / bandwidth), and vertical marks at named sizes (a decode step, a prefill chunk)."""
     sizes = np.array(sorted(times.fastest))
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    ax.plot(sizes, [times.fastest[s] * 1e3 for s in sizes], "o", color=PALETTE[0],
-            label=f"measured, {times.world_size} ranks (fastest call)")
+    ax.plot(
+        sizes,
+        [times.fastest[s] * 1e3 for s in sizes],
+        "o",
+        color=PALETTE[0],
+        label=f"measured, {times.world_size} ranks (fastest call)",
+    )
     grid = np.geomspace(sizes.min(), sizes.max(), 50)
     model = latency + np.array([ring_all_reduce_bytes(s, times.world_size) for s in grid]) / bandwidth
     ax.plot(grid, model * 1e3, "-", color=PALETTE[1], label="latency + 2(N-1)/N x bytes / bandwidth")
     for i, (label, size) in enumerate((marks or {}).items()):
         ax.axvline(size, color=PALETTE[2 + i], ls=":", lw=1.2, label=label)
-    ax.set(xscale="log", yscale="log", xlabel="bytes of the tensor (fp32)", ylabel="ms per all-reduce",
-           title="one all-reduce between processes (gloo)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="bytes of the tensor (fp32)",
+        ylabel="ms per all-reduce",
+        title="one all-reduce between processes (gloo)",
+    )
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
@@ -108,18 +120,31 @@ def plot_tp_step_time(big: dict, small: dict[str, list[dict]], does_not_fit=()):
     for i in range(len(rows)):
         left.bar(x[i], weights[i], color=PALETTE[0], hatch=hatches[i], edgecolor="white")
         left.bar(x[i], comm[i], bottom=weights[i], color=PALETTE[1])
-    left.legend(handles=[Patch(color=PALETTE[0], label="weight read / N"),
-                         Patch(color=PALETTE[1], label="all-reduces")], fontsize=8)
-    left.set_xticks(x, [f"N = {r['tp_size']}" + ("\n(does not fit)" if r["tp_size"] in does_not_fit else "")
-                        for r in rows])
+    left.legend(
+        handles=[Patch(color=PALETTE[0], label="weight read / N"), Patch(color=PALETTE[1], label="all-reduces")],
+        fontsize=8,
+    )
+    left.set_xticks(
+        x, [f"N = {r['tp_size']}" + ("\n(does not fit)" if r["tp_size"] in does_not_fit else "") for r in rows]
+    )
     left.set(ylabel="ms per decode step", title=big["label"])
     for i, (label, series) in enumerate(small.items()):
         base = series[0]["step_s"]
-        right.plot([r["tp_size"] for r in series], [r["step_s"] / base for r in series], "o-", color=PALETTE[2 + i],
-                   label=label)
+        right.plot(
+            [r["tp_size"] for r in series],
+            [r["step_s"] / base for r in series],
+            "o-",
+            color=PALETTE[2 + i],
+            label=label,
+        )
     right.axhline(1, color="grey", ls="--", lw=1, label="one device")
-    right.set(xscale="log", ylim=(0, None), xlabel="tensor-parallel size N", ylabel="step time / step time at N = 1",
-              title="SmolLM2")
+    right.set(
+        xscale="log",
+        ylim=(0, None),
+        xlabel="tensor-parallel size N",
+        ylabel="step time / step time at N = 1",
+        title="SmolLM2",
+    )
     sizes = sorted({r["tp_size"] for series in small.values() for r in series})
     right.set_xticks(sizes, [str(s) for s in sizes])
     right.minorticks_off()
@@ -131,7 +156,7 @@ def plot_tp_step_time(big: dict, small: dict[str, list[dict]], does_not_fit=()):
 def plot_engine_rates(rates: dict[str, float], title: str):
     """Output tokens per second of the same batch on engines of different tensor-parallel sizes, as bars."""
     fig, ax = plt.subplots(figsize=(5.5, 2.6))
-    ax.barh(list(rates), list(rates.values()), color=PALETTE[:len(rates)])
+    ax.barh(list(rates), list(rates.values()), color=PALETTE[: len(rates)])
     ax.invert_yaxis()
     ax.set_xlabel("output tokens per second (measured)")
     ax.set_title(title)

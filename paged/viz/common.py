@@ -17,7 +17,7 @@ def html_table(rows: list[dict], columns: list[str] | None = None, formats: dict
     def cell(column, value):
         spec = formats.get(column)
         text = spec(value) if callable(spec) else format(value, spec) if spec else str(value)
-        align = "left" if column == columns[0] else "right"         # labels left, figures right
+        align = "left" if column == columns[0] else "right"  # labels left, figures right
         return f"<td style='text-align:{align}'>{html.escape(text)}</td>"
 
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
