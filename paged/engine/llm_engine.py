@@ -247,7 +247,7 @@ class LLMEngine:
         return self.core_step().finished
 
     def core_step(self) -> EngineCoreOutputs:
-        """step(), returning also each sequence's new tokens."""
+        """step(), returning as well each sequence that appended tokens in it: what a server streams."""
         with self.transaction():
             return self._step()
 
@@ -283,7 +283,11 @@ class LLMEngine:
             for request in {seq.request.request_id: seq.request for seq in finished}.values()
             if request.is_finished
         ]
-        new_tokens = [(seq, len(seq.output_token_ids) - n) for seq, n in zip(output.seqs, num_before)]
+        new_tokens = [
+            (seq, num_new)
+            for seq, before in zip(output.seqs, num_before)
+            if (num_new := len(seq.output_token_ids) - before)
+        ]
         runner = self.model_runner
         self.last_step_times = StepTimes(
             scheduled - started,
@@ -292,7 +296,7 @@ class LLMEngine:
             runner.last_sample_time,
             time.perf_counter() - executed,
         )
-        return EngineCoreOutputs([(seq, n) for seq, n in new_tokens if n], outputs)
+        return EngineCoreOutputs(new_tokens, outputs)
 
     def begin_forward(self, plan) -> None:
         """What the engine records as a plan's forward pass begins (step, and each step of a beam search):
