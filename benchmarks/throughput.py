@@ -174,10 +174,10 @@ class Matmuls:
     the weights packed as the engine packs them (paged/model/packed_linear.py)."""
 
     def __init__(self, model):
-        paged, _ = load_model(model)  # the engine's own fused (and, where it packs, packed) weights
+        self.hidden_size, self.dtype = model.config.hidden_size, model.dtype
+        paged, _ = load_model(model, dtype=model.dtype)  # the engine's own fused (and, where it packs, packed) weights
         self.layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in paged.layers]
         self.lm_head = paged.lm_head
-        self.hidden_size, self.dtype = model.config.hidden_size, model.dtype
 
     @torch.no_grad()
     def seconds(self, tokens: int, logits_rows: int, repeats: int = 3) -> float:

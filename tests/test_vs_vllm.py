@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import make_tiny_llm
+from helpers import make_tiny_llm, tiny_llama
 
 from paged import SamplingParams
 
@@ -79,3 +79,20 @@ def test_the_ceiling_gets_every_token_the_engine_computed_and_every_row_it_sampl
     assert sum(rows for _, rows in steps) == sum(lengths)  # one logits row for each token sampled
     # whole prompts; or the 9-token prompt in chunks of what the budget leaves, its row in the step that ends it
     assert steps == ([(14, 2), (1, 1), (1, 1)] if budget is None else [(8, 1), (7, 2), (1, 1)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_ceiling_times_the_matmuls_in_the_model_dtype(vs_vllm, dtype):
+    """A bf16 model's ceiling is bf16 matmuls (packed as the engine packs them), not an fp32 copy of the model."""
+    import torch
+    from throughput import Matmuls
+
+    model = tiny_llama().to(getattr(torch, dtype))
+    matmuls = Matmuls(model)
+    assert matmuls.dtype == model.dtype == getattr(torch, dtype)  # the model given is left in its dtype
+    weights = [w for layer in matmuls.layers for w in layer] + [matmuls.lm_head]
+    wanted = {getattr(torch, dtype)}
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        wanted.add(torch.float32)  # packed_linear's fp32 copy on a CPU without bf16 matmuls
+    assert {w.dtype for w in weights} <= wanted
+    assert matmuls.seconds(4, 2, repeats=1) > 0
