@@ -1,6 +1,6 @@
 """The C++ CPU kernel (paged/kernels/cpu.py) against the torch reference in paged.model.attention (guide §7).
 
-Random shapes: block sizes 8-128, GQA 1:1 to 8:1, head_dim 64 and 128, ragged contexts with partly filled last
+Random shapes: block sizes 2-128, GQA 1:1 to 8:1, head_dim 24-128, ragged contexts with partly filled last
 blocks, and prefill chunks of every kind (a whole prompt, a chunk after cached tokens, a prefix-cache hit, one
 token, none). Bad input raises the same ValueErrors as the Triton wrappers. The first test builds the kernel if
 no cached build exists (a minute on two cores).
@@ -36,7 +36,8 @@ SHAPES = [
     for block_size in (8, 16, 32, 64, 128)
     for group, num_kv_heads in ((1, 2), (3, 3), (4, 1), (8, 2))
     for head_dim in (64, 128)
-][::3]  # a spread of the combinations; every value of each appears
+][::3] + [(2, 3, 1, 40), (4, 2, 2, 80), (8, 1, 3, 24)]  # a spread of the combinations; every value of each
+# appears; then blocks narrower than a vector and head_dims that are not whole groups of vectors
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -40,6 +40,7 @@ using at::Tensor;
 constexpr int64_t kQueryTile = 16;         // new tokens per prefill tile
 constexpr int64_t kWorkPerThread = 4096;   // (row, key) pairs a thread should have before another one joins
 constexpr int64_t kSeqsPerThread = 4;      // decode: sequences per thread from which a tile takes all KV heads
+constexpr int64_t kSpanKeys = 64;          // prefill: keys a step of the walk over the blocks takes at least
 
 // Rows of `num_tokens` consecutive new tokens of sequence `seq`, starting at row `token` of the query and at
 // position `first_pos` of the sequence, against KV heads kv_head .. kv_head + num_kv_heads - 1 and the query
@@ -108,6 +109,31 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
     for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
 }
 
+// A block's n K rows of one KV head, turned: kt[d * width + t] = k[t][d], so that a vector of kt holds one dimension
+// of kLanes keys. A prefill tile's dozens of rows then share each load of it.
+template <typename T>
+inline void turn_keys(const T* k_block, int64_t stride_slot, int64_t n, int64_t D, int64_t width, float* kt) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; ++d) kt[d * width + t] = static_cast<float>(k_block[t * stride_slot + d]);
+}
+
+// p[i][t] = q[i] . k[t] for four rows i at once and every key t of a turned block: one multiply-add per row and
+// dimension, each vector of keys loaded once for the four rows, and no sum across lanes.
+inline void scores4(const float* q, int64_t q_stride, const float* kt, int64_t D, int64_t width, float* p,
+                    int64_t p_stride) {
+  for (int64_t t = 0; t < width; t += kLanes) {
+    Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec k = Vec::loadu(kt + d * width + t);
+      s0 = at::vec::fmadd(Vec(q[d]), k, s0);
+      s1 = at::vec::fmadd(Vec(q[q_stride + d]), k, s1);
+      s2 = at::vec::fmadd(Vec(q[2 * q_stride + d]), k, s2);
+      s3 = at::vec::fmadd(Vec(q[3 * q_stride + d]), k, s3);
+    }
+    s0.store(p + t), s1.store(p + p_stride + t), s2.store(p + 2 * p_stride + t), s3.store(p + 3 * p_stride + t);
+  }
+}
+
 // y[d .. d + V * kLanes) += sum over t < n of p[t] * x[t][same range]. The V vectors of y stay in registers over
 // all n rows: V independent chains of multiply-adds, so that no multiply-add waits for the one before it.
 template <int V>
@@ -130,6 +156,31 @@ inline void weighted_sum(const float* p, const float* const* x, int64_t n, float
   if (d + kLanes <= d_total) weighted_sum_chunk<1>(p, x, n, y, d), d += kLanes;
   for (; d < d_total; ++d)
     for (int64_t t = 0; t < n; ++t) y[d] += p[t] * x[t][d];
+}
+
+// y_i += sum over t < n of p_i[t] * x[t] for four rows i at once (p_i and y_i p_stride and y_stride apart): each
+// vector of x is loaded once for the four rows, and sixteen running sums stay in registers.
+inline void weighted_sum4(const float* p, int64_t p_stride, const float* const* x, int64_t n, float* y,
+                          int64_t y_stride, int64_t d_total) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= d_total; d += 4 * kLanes) {
+    Vec acc[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j] = Vec::loadu(y + i * y_stride + d + j * kLanes);
+    for (int64_t t = 0; t < n; ++t) {
+      Vec row[4];
+      for (int j = 0; j < 4; ++j) row[j] = Vec::loadu(x[t] + d + j * kLanes);
+      for (int i = 0; i < 4; ++i) {
+        const Vec a(p[i * p_stride + t]);
+        for (int j = 0; j < 4; ++j) acc[i][j] = at::vec::fmadd(a, row[j], acc[i][j]);
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j) acc[i][j].store(y + i * y_stride + d + j * kLanes);
+  }
+  for (; d < d_total; ++d)
+    for (int i = 0; i < 4; ++i)
+      for (int64_t t = 0; t < n; ++t) y[i * y_stride + d] += p[i * p_stride + t] * x[t][d];
 }
 
 inline void rescale(float a, float* y, int64_t n) {  // y *= a
@@ -163,7 +214,7 @@ inline float exp_and_sum(float* p, float m, int64_t n) {
 
 // A thread's working memory, reused by every tile it runs.
 struct Scratch {
-  std::vector<float> q, acc, m, l, p, k_rows, v_rows;
+  std::vector<float> q, acc, m, l, p, k_rows, v_rows, kt;
   std::vector<const float*> k, v;  // the block's K and V rows
 };
 
@@ -179,19 +230,28 @@ struct PagedAttention {
   T* out;  // contiguous [num_tokens, num_heads, head_dim]
   int64_t num_heads, block_size, group, head_dim;
   float scale;
+  bool keys_in_lanes;  // prefill: each block's keys turned into the vector lanes (a tile has one KV head then)
 
   void run(const Tile& tile, const Tile* next, Scratch& s) const {
-    const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size, kv_stride = bs + 3;
+    const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size;
+    // The walk takes `span` blocks a step: one at decode; at prefill enough for kSpanKeys keys, so that each row's
+    // softmax bookkeeping (a maximum, exponentials, sums across lanes) is paid once for many keys.
+    const int64_t span = keys_in_lanes ? std::max<int64_t>(1, kSpanKeys / bs) : 1, span_keys = span * bs;
+    const int64_t kv_stride = span_keys + 3;
     const int64_t rows = tile.num_tokens * G;                       // row r: token r / G, query head r % G
     const int64_t last_pos = tile.first_pos + tile.num_tokens - 1;   // the last key any row of the tile sees
-    s.q.resize(rows * D);
-    s.acc.assign(rows * D, 0.f);
+    const int64_t num_blocks = last_pos / bs + 1;                    // the blocks the tile walks
+    const int64_t width = (span_keys + kLanes - 1) / kLanes * kLanes;  // a turned step's keys, whole vectors
+    const int64_t padded_rows = (rows + 3) / 4 * 4;                  // rows of zero queries fill the last four
+    s.q.assign(padded_rows * D, 0.f);
+    s.acc.assign(padded_rows * D, 0.f);
     s.m.assign(rows, -std::numeric_limits<float>::infinity());     // running maximum of each row's scores
     s.l.assign(rows, 0.f);                                          // running sum of exp(score - m)
-    const int64_t p_stride = (bs + 3) / 4 * 4;                      // room for the last group of four keys
-    s.p.resize(rows * p_stride);                                    // one block's scores, then weights
-    s.k_rows.resize(tile.num_kv_heads * bs * D);
-    s.v_rows.resize(tile.num_kv_heads * bs * D);
+    const int64_t p_stride = std::max((span_keys + 3) / 4 * 4, width);  // room for the last four keys, or vector
+    s.p.resize(padded_rows * p_stride);                             // one step's scores, then weights
+    s.kt.resize(D * width);
+    s.k_rows.resize(tile.num_kv_heads * span_keys * D);
+    s.v_rows.resize(tile.num_kv_heads * span_keys * D);
     s.k.resize(tile.num_kv_heads * kv_stride);
     s.v.resize(tile.num_kv_heads * kv_stride);
     const float** k = s.k.data();
@@ -201,40 +261,54 @@ struct PagedAttention {
       for (int64_t d = 0; d < D; ++d) s.q[r * D + d] = static_cast<float>(q[d]) * scale;
     }
     const int32_t* table = block_tables + tile.seq * table_stride;
-    for (int64_t j = 0; j <= last_pos / bs; ++j) {
-      const int64_t physical = table[j];                            // the indirection: one int32 per block
-      const int64_t start = j * bs;
-      const int64_t n = std::min(bs, last_pos + 1 - start);        // the last block may be partly filled
-      // Block j + 1 travels while j is computed; during the last block, the first block of the thread's next tile.
-      const bool last_block = j == last_pos / bs;
+    for (int64_t j = 0; j < num_blocks; j += span) {               // blocks j .. j_end - 1
+      const int64_t j_end = std::min(j + span, num_blocks), start = j * bs;
+      const int64_t n = std::min(span_keys, last_pos + 1 - start);  // the last block may be partly filled
+      // Block j_end travels while these are computed; during the last step, the first block of the thread's next tile.
+      const bool last_block = j_end == num_blocks;
       const Tile* ahead_tile = last_block ? next : &tile;
       Prefetch ahead;
       if (ahead_tile != nullptr) {
-        const int64_t at = block_tables[ahead_tile->seq * table_stride + (last_block ? 0 : j + 1)] * stride_block +
+        const int64_t at = block_tables[ahead_tile->seq * table_stride + (last_block ? 0 : j_end)] * stride_block +
                            ahead_tile->kv_head * stride_head;
         ahead = Prefetch(key_cache + at, value_cache + at, bs, stride_slot, ahead_tile->num_kv_heads * D);
       }
       // A third of its lines are requested among the scores, the rest before each row's weighted sum of V: spread
       // over the whole block's work, not bunched in its first part, the requests keep the memory busy throughout.
-      const int64_t score_calls = rows * ((n + 3) / 4);
+      const int64_t score_calls = keys_in_lanes ? padded_rows / 4 : rows * ((n + 3) / 4);
       const int64_t lines_among_scores = ahead.lines() / 3;
       const int64_t lines_per_call = (lines_among_scores + score_calls - 1) / score_calls;
       const int64_t lines_per_row = (ahead.lines() - lines_among_scores + rows - 1) / rows;
-      for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
-        const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
-        const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
-        const float** k_h = k + h * kv_stride;
-        for (int64_t t = 0; t < n; ++t) {                           // K and V rows, read where they lie
-          k_h[t] = as_float(k_block + t * stride_slot, s.k_rows.data() + (h * bs + t) * D, D);
-          v[h * kv_stride + t] = as_float(v_block + t * stride_slot, s.v_rows.data() + (h * bs + t) * D, D);
+      for (int64_t b = j; b < j_end; ++b) {
+        const int64_t physical = table[b];                          // the indirection: one int32 per block
+        const int64_t first = (b - j) * bs, keys = std::min(bs, n - first);  // its keys in this step
+        for (int64_t h = 0; h < tile.num_kv_heads; ++h) {
+          const T* k_block = key_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+          const T* v_block = value_cache + physical * stride_block + (tile.kv_head + h) * stride_head;
+          for (int64_t t = 0; t < keys; ++t) {                      // K and V rows, read where they lie
+            const int64_t i = h * kv_stride + first + t, row = (h * span_keys + first + t) * D;
+            if (!keys_in_lanes) k[i] = as_float(k_block + t * stride_slot, s.k_rows.data() + row, D);
+            v[i] = as_float(v_block + t * stride_slot, s.v_rows.data() + row, D);
+          }
+          if (keys_in_lanes) turn_keys(k_block, stride_slot, keys, D, width, s.kt.data() + first);  // one KV head
         }
-        for (int64_t t = n; t < n + 3; ++t) k_h[t] = k_h[0];        // pads the last group of four keys
       }
-      // scores = q . k for every row and key of the block, four keys at a time
-      for (int64_t t = 0; t < n; t += 4)
-        for (int64_t r = 0; r < rows; ++r)
-          dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t),
+      if (keys_in_lanes)                                            // keys past the last weigh nothing
+        for (int64_t d = 0; d < D; ++d) std::fill(s.kt.data() + d * width + n, s.kt.data() + (d + 1) * width, 0.f);
+      else
+        for (int64_t h = 0; h < tile.num_kv_heads; ++h)
+          for (int64_t t = n; t < n + 3; ++t) k[h * kv_stride + t] = k[h * kv_stride];  // pads the last four keys
+      // scores = q . k for every row and key of the step: at prefill, four rows at a time against the turned
+      // keys; at decode, where a tile has a few rows, each row against four keys at a time
+      if (keys_in_lanes)
+        for (int64_t r = 0; r < rows; r += 4)
+          scores4(s.q.data() + r * D, D, s.kt.data(), D, width, s.p.data() + r * p_stride, p_stride),
               ahead.issue(lines_per_call);
+      else
+        for (int64_t t = 0; t < n; t += 4)
+          for (int64_t r = 0; r < rows; ++r)
+            dot4(s.q.data() + r * D, k + (r % G) / group * kv_stride + t, D, s.p.data() + r * p_stride + t),
+                ahead.issue(lines_per_call);
       for (int64_t r = 0; r < rows; ++r) {
         // keys after the row's own position are masked (only in a prefill tile's last blocks)
         const int64_t visible = std::clamp<int64_t>(tile.first_pos + r / G - start + 1, 0, n);
@@ -248,8 +322,11 @@ struct PagedAttention {
         if (alpha != 1.f) rescale(alpha, acc, D);
         s.m[r] = m_new;
         ahead.issue(lines_per_row);
-        weighted_sum(p, v + (r % G) / group * kv_stride, visible, acc, D);  // acc += p @ V
+        if (!keys_in_lanes) weighted_sum(p, v + (r % G) / group * kv_stride, visible, acc, D);  // acc += p @ V
       }
+      if (keys_in_lanes)  // acc += p @ V four rows at a time: a masked key weighs exactly 0; padding rows are dropped
+        for (int64_t r = 0; r < rows; r += 4)
+          weighted_sum4(s.p.data() + r * p_stride, p_stride, v, n, s.acc.data() + r * D, D, D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* o = out + (tile.token + r / G) * num_heads * D + (tile.kv_head * group + r % G) * D;
@@ -316,13 +393,14 @@ void check_tables(const Tensor& block_tables, const Tensor& context_lens, int64_
 
 template <typename T>
 PagedAttention<T> describe(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                           const Tensor& block_tables, const Tensor& out, double scale) {
+                           const Tensor& block_tables, const Tensor& out, double scale, bool keys_in_lanes) {
   return PagedAttention<T>{query.data_ptr<T>(),        query.stride(0),         query.stride(1),
                            key_cache.data_ptr<T>(),    value_cache.data_ptr<T>(), key_cache.stride(0),
                            key_cache.stride(1),        key_cache.stride(2),     block_tables.data_ptr<int32_t>(),
                            block_tables.stride(0),     out.data_ptr<T>(),       query.size(1),
                            key_cache.size(1),          query.size(1) / key_cache.size(2),
-                           query.size(2),              static_cast<float>(scale)};
+                           query.size(2),              static_cast<float>(scale),
+                           keys_in_lanes};
 }
 
 // One new token per sequence (the last of its context) attends to the whole context.
@@ -345,7 +423,7 @@ Tensor decode(const Tensor& query, const Tensor& key_cache, const Tensor& value_
   }
   Tensor out = at::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_cpu", [&] {
-    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale), tiles);
+    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale, false), tiles);
   });
   return out;
 }
@@ -380,7 +458,7 @@ Tensor prefill(const Tensor& query, const Tensor& key_cache, const Tensor& value
   }
   Tensor out = at::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_prefill_cpu", [&] {
-    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale), tiles);
+    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale, true), tiles);
   });
   return out;
 }
