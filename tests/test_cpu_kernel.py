@@ -104,7 +104,7 @@ def test_half_precision_pools(dtype):
 
 def test_reads_nothing_outside_the_context():
     """Every pool slot no sequence's context covers (free blocks, the unused tail of a last block) holds NaN:
-    a kernel that read one, even to mask it, would return NaN."""
+    a kernel that read one, even to mask it or to turn it, would return NaN."""
     key_cache, value_cache, tables, lens = paged_pool([5, 16, 37], 16, 2, 64, torch.float32, seed=4)
     query = random_query(3, 4, 64, torch.float32, seed=4)
     expected = ref.decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
@@ -112,9 +112,14 @@ def test_reads_nothing_outside_the_context():
     for seq, n in enumerate(lens.tolist()):
         for pos in range(n):
             in_context[tables[seq, pos // 16], pos % 16] = True
+    query_start_loc = torch.tensor([0, 5, 8, 28], dtype=torch.int32)  # prefill: a whole prompt, then two chunks
+    prefill_query = random_query(28, 4, 64, torch.float32, seed=5)
+    prefill_args = prefill_query, key_cache, value_cache, tables, query_start_loc, lens, 0.125
+    expected_prefill = ref.prefill_attention(*prefill_args)
     key_cache[~in_context], value_cache[~in_context] = float("nan"), float("nan")
     out = cpu.paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
     assert_close(out, expected, torch.float32)
+    assert_close(cpu.paged_prefill_attention(*prefill_args), expected_prefill, torch.float32)
 
 
 def test_strided_query_and_neither_tiles_nor_threads_change_the_bits():

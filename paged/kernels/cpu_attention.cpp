@@ -4,7 +4,8 @@
 // one KV head (or, at decode with many sequences, all of them), and a run of that sequence's new tokens. Its rows
 // are (token, query head) pairs for every query head that shares the tile's KV heads (GQA), so each K and V row
 // is read once per tile. The task walks the sequence's block table and reads K and V where they lie in the
-// pool, block by block, with an online softmax: nothing is gathered into a contiguous copy. Tasks run on torch's
+// pool, block by block, with an online softmax: nothing is gathered into a contiguous copy (at prefill the keys
+// alone are first turned, once per sequence, into the layout the vector lanes want). Tasks run on torch's
 // own thread pool (at::parallel_for), longest first, each thread taking the next task as it needs one, so
 // ragged sequences do not leave a core idle. While a block is computed, the next one's rows are requested from
 // memory into the L2 cache, a few cache lines at a time over all of the block's work.
@@ -28,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -40,7 +42,7 @@ using at::Tensor;
 constexpr int64_t kQueryTile = 16;         // new tokens per prefill tile
 constexpr int64_t kWorkPerThread = 4096;   // (row, key) pairs a thread should have before another one joins
 constexpr int64_t kSeqsPerThread = 4;      // decode: sequences per thread from which a tile takes all KV heads
-constexpr int64_t kSpanKeys = 64;          // prefill: keys a step of the walk over the blocks takes at least
+constexpr int64_t kSpanKeys = 128;         // prefill: keys a step of the walk over the blocks takes at least
 
 // Rows of `num_tokens` consecutive new tokens of sequence `seq`, starting at row `token` of the query and at
 // position `first_pos` of the sequence, against KV heads kv_head .. kv_head + num_kv_heads - 1 and the query
@@ -65,10 +67,11 @@ inline const float* as_float<float>(const float* row, float*, int64_t) {
   return row;
 }
 
-// The next block's K and V rows, requested from memory a few cache lines at a time while this block is computed:
-// a burst of hundreds of requests at once would hold the core until most of them had arrived. They are requested
-// into the L2 cache, not L1: a request for L1 holds one of the core's few L1 miss slots until its line arrives,
-// and while they are all taken the loads of the block being computed wait too; from L2 a line is a few cycles away.
+// The next block's K and V rows (at prefill V alone: the scores read the turned keys), requested from memory a few
+// cache lines at a time while this block is computed: a burst of hundreds of requests at once would hold the core
+// until most of them had arrived. They are requested into the L2 cache, not L1: a request for L1 holds one of the
+// core's few L1 miss slots until its line arrives, and while they are all taken the loads of the block being
+// computed wait too; from L2 a line is a few cycles away.
 struct Prefetch {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -82,7 +85,7 @@ struct Prefetch {
   int64_t lines() const { return rows * ((row_bytes + 63) / 64); }
   inline void issue(int64_t count) {
     for (; count > 0 && row < rows; --count) {
-      __builtin_prefetch(k + row * stride + byte, /*write=*/0, /*locality: into L2=*/2);
+      if (k != nullptr) __builtin_prefetch(k + row * stride + byte, /*write=*/0, /*locality: into L2=*/2);
       __builtin_prefetch(v + row * stride + byte, /*write=*/0, /*locality: into L2=*/2);
       if ((byte += 64) >= row_bytes) byte = 0, ++row;
     }
@@ -109,29 +112,47 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
     for (int i = 0; i < 4; ++i) out[i] += q[d] * k[i][d];
 }
 
-// A block's n K rows of one KV head, turned: kt[d * width + t] = k[t][d], so that a vector of kt holds one dimension
-// of kLanes keys. A prefill tile's dozens of rows then share each load of it.
-template <typename T>
-inline void turn_keys(const T* k_block, int64_t stride_slot, int64_t n, int64_t D, int64_t width, float* kt) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < D; ++d) kt[d * width + t] = static_cast<float>(k_block[t * stride_slot + d]);
+// Prefill: every sequence's keys turned into the vector lanes once, before any tile runs, a step of the walk at a
+// time: step i (keys i * span_keys ..) of sequence `seq` and KV head h is kt[d * width + t] = k[i * span_keys + t][d],
+// zero past the context, so that a vector of kt holds one dimension of kLanes keys. A tile's dozens of rows share
+// each load of it, and the tiles that walk the same blocks (every later tile of the sequence) turn nothing.
+struct TurnedKeys {
+  std::vector<float> data;
+  std::vector<int64_t> offset, steps;  // per sequence: where its steps begin in data, and how many it has
+  int64_t span = 1, width = 0;         // blocks a step, and its keys rounded up to whole vectors
+  const float* step(int64_t seq, int64_t kv_head, int64_t i, int64_t D) const {
+    return data.data() + offset[seq] + (kv_head * steps[seq] + i) * D * width;
+  }
+};
+
+// p[i][t] = q[i] . k[t] for four rows i and V vectors of keys at once, from key t0 of a turned block: each vector
+// of keys loaded once for the four rows, no sum across lanes, and 4 * V running sums, enough independent chains to
+// keep both multiply-add units busy while each waits on the one before it.
+template <int V>
+inline void scores4_chunk(const float* q, int64_t q_stride, const float* kt, int64_t D, int64_t width, float* p,
+                          int64_t p_stride, int64_t t0) {
+  Vec s[4][V];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < V; ++j) s[i][j] = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec k[V];
+    for (int j = 0; j < V; ++j) k[j] = Vec::loadu(kt + d * width + t0 + j * kLanes);
+    for (int i = 0; i < 4; ++i) {
+      const Vec x(q[i * q_stride + d]);
+      for (int j = 0; j < V; ++j) s[i][j] = at::vec::fmadd(x, k[j], s[i][j]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < V; ++j) s[i][j].store(p + i * p_stride + t0 + j * kLanes);
 }
 
-// p[i][t] = q[i] . k[t] for four rows i at once and every key t of a turned block: one multiply-add per row and
-// dimension, each vector of keys loaded once for the four rows, and no sum across lanes.
-inline void scores4(const float* q, int64_t q_stride, const float* kt, int64_t D, int64_t width, float* p,
+// p[i][t] = q[i] . k[t] for four rows i at once and the first n keys t of a turned step (n whole vectors).
+inline void scores4(const float* q, int64_t q_stride, const float* kt, int64_t D, int64_t width, int64_t n, float* p,
                     int64_t p_stride) {
-  for (int64_t t = 0; t < width; t += kLanes) {
-    Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
-    for (int64_t d = 0; d < D; ++d) {
-      const Vec k = Vec::loadu(kt + d * width + t);
-      s0 = at::vec::fmadd(Vec(q[d]), k, s0);
-      s1 = at::vec::fmadd(Vec(q[q_stride + d]), k, s1);
-      s2 = at::vec::fmadd(Vec(q[2 * q_stride + d]), k, s2);
-      s3 = at::vec::fmadd(Vec(q[3 * q_stride + d]), k, s3);
-    }
-    s0.store(p + t), s1.store(p + p_stride + t), s2.store(p + 2 * p_stride + t), s3.store(p + 3 * p_stride + t);
-  }
+  constexpr int kWide = kLanes >= 16 ? 4 : 2;  // 16 running sums with AVX-512's 32 registers, 8 with AVX2's 16
+  int64_t t = 0;
+  for (; t + kWide * kLanes <= n; t += kWide * kLanes) scores4_chunk<kWide>(q, q_stride, kt, D, width, p, p_stride, t);
+  for (; t < n; t += kLanes) scores4_chunk<1>(q, q_stride, kt, D, width, p, p_stride, t);
 }
 
 // y[d .. d + V * kLanes) += sum over t < n of p[t] * x[t][same range]. The V vectors of y stay in registers over
@@ -214,7 +235,7 @@ inline float exp_and_sum(float* p, float m, int64_t n) {
 
 // A thread's working memory, reused by every tile it runs.
 struct Scratch {
-  std::vector<float> q, acc, m, l, p, k_rows, v_rows, kt;
+  std::vector<float> q, acc, m, l, p, k_rows, v_rows;
   std::vector<const float*> k, v;  // the block's K and V rows
 };
 
@@ -230,18 +251,51 @@ struct PagedAttention {
   T* out;  // contiguous [num_tokens, num_heads, head_dim]
   int64_t num_heads, block_size, group, head_dim;
   float scale;
-  bool keys_in_lanes;  // prefill: each block's keys turned into the vector lanes (a tile has one KV head then)
+  const TurnedKeys* turned;  // prefill: the keys turned into the vector lanes (a tile has one KV head then); decode: null
+
+  // The keys of every sequence with new tokens, turned a step at a time (TurnedKeys), the steps shared among the
+  // threads.
+  void turn_keys(TurnedKeys& turned, const int32_t* lens, const int32_t* starts, int64_t num_seqs,
+                 int64_t num_kv_heads) const {
+    const int64_t bs = block_size, D = head_dim;
+    turned.span = std::max<int64_t>(1, kSpanKeys / bs);
+    const int64_t span_keys = turned.span * bs;
+    turned.width = (span_keys + kLanes - 1) / kLanes * kLanes;
+    std::vector<std::array<int64_t, 3>> steps;  // (sequence, KV head, step)
+    int64_t size = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+      const bool has_tiles = starts[seq + 1] > starts[seq];
+      turned.offset.push_back(size);
+      turned.steps.push_back(has_tiles ? (lens[seq] + span_keys - 1) / span_keys : 0);
+      size += num_kv_heads * turned.steps.back() * D * turned.width;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t i = 0; i < turned.steps.back(); ++i) steps.push_back({seq, h, i});
+    }
+    turned.data.assign(size, 0.f);
+    at::parallel_for(0, steps.size(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t job = begin; job < end; ++job) {
+        const auto [seq, h, i] = steps[job];
+        float* kt = turned.data.data() + turned.offset[seq] + (h * turned.steps[seq] + i) * D * turned.width;
+        const int32_t* table = block_tables + seq * table_stride;
+        for (int64_t key = i * span_keys; key < std::min<int64_t>((i + 1) * span_keys, lens[seq]); ++key) {
+          const T* k = key_cache + table[key / bs] * stride_block + key % bs * stride_slot + h * stride_head;
+          for (int64_t d = 0; d < D; ++d) kt[d * turned.width + key - i * span_keys] = static_cast<float>(k[d]);
+        }
+      }
+    });
+  }
 
   void run(const Tile& tile, const Tile* next, Scratch& s) const {
     const int64_t D = head_dim, G = tile.num_kv_heads * group, bs = block_size;
     // The walk takes `span` blocks a step: one at decode; at prefill enough for kSpanKeys keys, so that each row's
     // softmax bookkeeping (a maximum, exponentials, sums across lanes) is paid once for many keys.
-    const int64_t span = keys_in_lanes ? std::max<int64_t>(1, kSpanKeys / bs) : 1, span_keys = span * bs;
+    const bool keys_in_lanes = turned != nullptr;  // prefill: scores from the turned keys, V read where it lies
+    const int64_t span = keys_in_lanes ? turned->span : 1, span_keys = span * bs;
     const int64_t kv_stride = span_keys + 3;
     const int64_t rows = tile.num_tokens * G;                       // row r: token r / G, query head r % G
     const int64_t last_pos = tile.first_pos + tile.num_tokens - 1;   // the last key any row of the tile sees
     const int64_t num_blocks = last_pos / bs + 1;                    // the blocks the tile walks
-    const int64_t width = (span_keys + kLanes - 1) / kLanes * kLanes;  // a turned step's keys, whole vectors
+    const int64_t width = keys_in_lanes ? turned->width : 0;
     const int64_t padded_rows = (rows + 3) / 4 * 4;                  // rows of zero queries fill the last four
     s.q.assign(padded_rows * D, 0.f);
     s.acc.assign(padded_rows * D, 0.f);
@@ -249,7 +303,6 @@ struct PagedAttention {
     s.l.assign(rows, 0.f);                                          // running sum of exp(score - m)
     const int64_t p_stride = std::max((span_keys + 3) / 4 * 4, width);  // room for the last four keys, or vector
     s.p.resize(padded_rows * p_stride);                             // one step's scores, then weights
-    s.kt.resize(D * width);
     s.k_rows.resize(tile.num_kv_heads * span_keys * D);
     s.v_rows.resize(tile.num_kv_heads * span_keys * D);
     s.k.resize(tile.num_kv_heads * kv_stride);
@@ -271,7 +324,8 @@ struct PagedAttention {
       if (ahead_tile != nullptr) {
         const int64_t at = block_tables[ahead_tile->seq * table_stride + (last_block ? 0 : j_end)] * stride_block +
                            ahead_tile->kv_head * stride_head;
-        ahead = Prefetch(key_cache + at, value_cache + at, bs, stride_slot, ahead_tile->num_kv_heads * D);
+        const T* k_rows = keys_in_lanes ? nullptr : key_cache + at;  // at prefill the turned keys are read instead
+        ahead = Prefetch(k_rows, value_cache + at, bs, stride_slot, ahead_tile->num_kv_heads * D);
       }
       // A third of its lines are requested among the scores, the rest before each row's weighted sum of V: spread
       // over the whole block's work, not bunched in its first part, the requests keep the memory busy throughout.
@@ -290,19 +344,17 @@ struct PagedAttention {
             if (!keys_in_lanes) k[i] = as_float(k_block + t * stride_slot, s.k_rows.data() + row, D);
             v[i] = as_float(v_block + t * stride_slot, s.v_rows.data() + row, D);
           }
-          if (keys_in_lanes) turn_keys(k_block, stride_slot, keys, D, width, s.kt.data() + first);  // one KV head
         }
       }
-      if (keys_in_lanes)                                            // keys past the last weigh nothing
-        for (int64_t d = 0; d < D; ++d) std::fill(s.kt.data() + d * width + n, s.kt.data() + (d + 1) * width, 0.f);
-      else
+      if (!keys_in_lanes)
         for (int64_t h = 0; h < tile.num_kv_heads; ++h)
           for (int64_t t = n; t < n + 3; ++t) k[h * kv_stride + t] = k[h * kv_stride];  // pads the last four keys
       // scores = q . k for every row and key of the step: at prefill, four rows at a time against the turned
       // keys; at decode, where a tile has a few rows, each row against four keys at a time
       if (keys_in_lanes)
         for (int64_t r = 0; r < rows; r += 4)
-          scores4(s.q.data() + r * D, D, s.kt.data(), D, width, s.p.data() + r * p_stride, p_stride),
+          scores4(s.q.data() + r * D, D, turned->step(tile.seq, tile.kv_head, j / span, D), D, width,
+                  (n + kLanes - 1) / kLanes * kLanes, s.p.data() + r * p_stride, p_stride),
               ahead.issue(lines_per_call);
       else
         for (int64_t t = 0; t < n; t += 4)
@@ -393,14 +445,14 @@ void check_tables(const Tensor& block_tables, const Tensor& context_lens, int64_
 
 template <typename T>
 PagedAttention<T> describe(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                           const Tensor& block_tables, const Tensor& out, double scale, bool keys_in_lanes) {
+                           const Tensor& block_tables, const Tensor& out, double scale) {
   return PagedAttention<T>{query.data_ptr<T>(),        query.stride(0),         query.stride(1),
                            key_cache.data_ptr<T>(),    value_cache.data_ptr<T>(), key_cache.stride(0),
                            key_cache.stride(1),        key_cache.stride(2),     block_tables.data_ptr<int32_t>(),
                            block_tables.stride(0),     out.data_ptr<T>(),       query.size(1),
                            key_cache.size(1),          query.size(1) / key_cache.size(2),
                            query.size(2),              static_cast<float>(scale),
-                           keys_in_lanes};
+                           nullptr};
 }
 
 // One new token per sequence (the last of its context) attends to the whole context.
@@ -423,7 +475,7 @@ Tensor decode(const Tensor& query, const Tensor& key_cache, const Tensor& value_
   }
   Tensor out = at::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_decode_cpu", [&] {
-    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale, false), tiles);
+    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale), tiles);
   });
   return out;
 }
@@ -458,7 +510,11 @@ Tensor prefill(const Tensor& query, const Tensor& key_cache, const Tensor& value
   }
   Tensor out = at::empty(query.sizes(), query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_prefill_cpu", [&] {
-    run_tiles(describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale, true), tiles);
+    PagedAttention<scalar_t> attention = describe<scalar_t>(query, key_cache, value_cache, block_tables, out, scale);
+    TurnedKeys turned;
+    attention.turn_keys(turned, lens, starts, num_seqs, num_kv_heads);
+    attention.turned = &turned;
+    run_tiles(attention, tiles);
   });
   return out;
 }
