@@ -33,6 +33,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -117,11 +118,11 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
 // zero past the context, so that a vector of kt holds one dimension of kLanes keys. A tile's dozens of rows share
 // each load of it, and the tiles that walk the same blocks (every later tile of the sequence) turn nothing.
 struct TurnedKeys {
-  std::vector<float> data;
+  std::unique_ptr<float[]> data;       // not zeroed when made: each step writes all of its own
   std::vector<int64_t> offset, steps;  // per sequence: where its steps begin in data, and how many it has
   int64_t span = 1, width = 0;         // blocks a step, and its keys rounded up to whole vectors
-  const float* step(int64_t seq, int64_t kv_head, int64_t i, int64_t D) const {
-    return data.data() + offset[seq] + (kv_head * steps[seq] + i) * D * width;
+  float* step(int64_t seq, int64_t kv_head, int64_t i, int64_t D) const {
+    return data.get() + offset[seq] + (kv_head * steps[seq] + i) * D * width;
   }
 };
 
@@ -271,16 +272,19 @@ struct PagedAttention {
       for (int64_t h = 0; h < num_kv_heads; ++h)
         for (int64_t i = 0; i < turned.steps.back(); ++i) steps.push_back({seq, h, i});
     }
-    turned.data.assign(size, 0.f);
+    turned.data.reset(new float[size]);
     at::parallel_for(0, steps.size(), 1, [&](int64_t begin, int64_t end) {
       for (int64_t job = begin; job < end; ++job) {
         const auto [seq, h, i] = steps[job];
-        float* kt = turned.data.data() + turned.offset[seq] + (h * turned.steps[seq] + i) * D * turned.width;
+        float* kt = turned.step(seq, h, i, D);
         const int32_t* table = block_tables + seq * table_stride;
-        for (int64_t key = i * span_keys; key < std::min<int64_t>((i + 1) * span_keys, lens[seq]); ++key) {
-          const T* k = key_cache + table[key / bs] * stride_block + key % bs * stride_slot + h * stride_head;
-          for (int64_t d = 0; d < D; ++d) kt[d * turned.width + key - i * span_keys] = static_cast<float>(k[d]);
+        const int64_t first = i * span_keys, n = std::min(span_keys, lens[seq] - first);  // keys in the context
+        for (int64_t t = 0; t < n; ++t) {
+          const T* k = key_cache + table[(first + t) / bs] * stride_block + (first + t) % bs * stride_slot +
+                       h * stride_head;
+          for (int64_t d = 0; d < D; ++d) kt[d * turned.width + t] = static_cast<float>(k[d]);
         }
+        for (int64_t d = 0; d < D; ++d) std::fill(kt + d * turned.width + n, kt + (d + 1) * turned.width, 0.f);
       }
     });
   }
@@ -303,7 +307,7 @@ struct PagedAttention {
     s.l.assign(rows, 0.f);                                          // running sum of exp(score - m)
     const int64_t p_stride = std::max((span_keys + 3) / 4 * 4, width);  // room for the last four keys, or vector
     s.p.resize(padded_rows * p_stride);                             // one step's scores, then weights
-    s.k_rows.resize(tile.num_kv_heads * span_keys * D);
+    if (!keys_in_lanes) s.k_rows.resize(tile.num_kv_heads * span_keys * D);  // prefill reads the turned keys
     s.v_rows.resize(tile.num_kv_heads * span_keys * D);
     s.k.resize(tile.num_kv_heads * kv_stride);
     s.v.resize(tile.num_kv_heads * kv_stride);
