@@ -159,3 +159,24 @@ def test_unseeded_draws_follow_the_probabilities(vocab):
     used = expected > 0
     chi_square = float(((observed[used] - expected[used]) ** 2 / expected[used]).sum())
     assert chi_square < 63.7  # the chi-square distribution's 1 - 1e-6 quantile at 19 degrees of freedom
+
+
+def test_each_row_of_a_mixed_batch_draws_what_it_draws_alone(real_logits):
+    """A batch of greedy, unseeded and seeded rows: a greedy row gets its argmax, a seeded row the token its seed
+    gives it alone, and the unseeded rows the tokens one shared draw over just those rows gives (the same generator
+    state); the whole batch unseeded and sampled alike draws as those rows do."""
+    greedy, unseeded = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=50)
+    seeded = SamplingParams(temperature=0.8, top_k=50, seed=3)
+    logits = torch.cat([real_logits, real_logits.flip(0)])  # [8, vocab]
+    params = [greedy, unseeded, seeded, unseeded, greedy, seeded, unseeded, unseeded]
+    generators = [
+        torch.Generator().manual_seed(3 + row) if p.seed is not None else None for row, p in enumerate(params)
+    ]
+    tokens = sample(logits, params, generators, torch.Generator().manual_seed(5))
+    assert [tokens[row] for row in (0, 4)] == logits[[0, 4]].argmax(dim=-1).tolist()
+    for row in (2, 5):
+        alone = sample(logits[row : row + 1], [seeded], [torch.Generator().manual_seed(3 + row)], torch.Generator())
+        assert tokens[row] == alone[0]
+    shared_rows = [1, 3, 6, 7]
+    alike = sample(logits[shared_rows], [unseeded] * 4, [None] * 4, torch.Generator().manual_seed(5))
+    assert [tokens[row] for row in shared_rows] == alike
