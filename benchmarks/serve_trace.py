@@ -1,7 +1,8 @@
 """Where a server's time goes under load (guide §11, §12, §13): every step of the serving loop, traced.
 
     python benchmarks/serve_trace.py                              # the server's defaults, 32 requests at 2 req/s
-    python benchmarks/serve_trace.py --policies whole chunked-2048 sized --out benchmarks/results/serve_trace.json
+    python benchmarks/serve_trace.py --policies whole chunked-2048 sized-every-step sized \
+        --out benchmarks/results/serve_trace.json
 
 The server (`build_app` over `serving_llm`, as `python -m paged serve` builds it) runs in this process, and
 `paged.analysis.load_client` sends it streamed requests over HTTP. The serving loop keeps a record of each step
@@ -9,9 +10,10 @@ The server (`build_app` over `serving_llm`, as `python -m paged serve` builds it
 loop's own work around it. For each scheduling policy asked for, printed: the steps by kind (decodes only, prompt
 tokens only, both), their time, the most prompt tokens one step ran while streams waited, the time per step spent
 outside the forward pass, and the client's TTFT and ITL percentiles, which these steps explain. The policies:
-  whole          every prompt in one step, at most 2048 tokens a step (the server's old default)
-  chunked-2048   prompts chunked to fill a budget of 2048 tokens a step
-  sized          prompts chunked under the budget sized for this machine (serving/token_budget.py; the server's default)
+  whole              every prompt in one step, at most 2048 tokens a step (the server's old default)
+  chunked-2048       prompts chunked to fill a budget of 2048 tokens a step
+  sized-every-step   prompts chunked under the budget sized for this machine (serving/token_budget.py), every step
+  sized              the same, but a step with no decode runs its first prompt whole (the server's default)
 --out writes every policy's steps and summary as JSON (chapter 13 draws benchmarks/results/serve_trace.json).
 """
 
@@ -31,6 +33,7 @@ from paged.serving.api_server import build_app, serve_in_thread, serving_llm  # 
 POLICIES = {
     "whole": {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048},
     "chunked-2048": {"enable_chunked_prefill": True, "max_num_batched_tokens": 2048},
+    "sized-every-step": {"max_idle_prefill_tokens": None},
     "sized": {},
 }
 
@@ -70,6 +73,7 @@ def run_policy(name: str, args) -> dict:
     settings = {
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "sized": sized is not None,
+        "max_idle_prefill_tokens": config.max_idle_prefill_tokens,
         "enable_chunked_prefill": config.enable_chunked_prefill,
         "max_num_seqs": config.max_num_seqs,
         "enable_prefix_caching": config.enable_prefix_caching,

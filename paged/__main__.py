@@ -148,7 +148,7 @@ def run_setup(args) -> None:
 
 def main(argv=None) -> None:
     from paged.serving.api_server import server_defaults
-    from paged.serving.token_budget import STEP_TARGET_S
+    from paged.serving.token_budget import MAX_TOKEN_BUDGET, STEP_TARGET_S
 
     parser = argparse.ArgumentParser(
         prog="python -m paged", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -178,7 +178,8 @@ def main(argv=None) -> None:
         description=(
             "An OpenAI-compatible server. Its engine settings are a server's own, as vllm serve's are, not LLM's "
             "offline defaults: every prompt is chunked under a token budget sized for this machine at start-up, so "
-            "that no step keeps the streams waiting long; prefix caching is on; up to 128 sequences run at once."
+            "that no step keeps the streams waiting long (a step in which no stream decodes runs its first prompt whole: "
+            "nobody waits on it); prefix caching is on; up to 128 sequences run at once."
         ),
     )
     serve.set_defaults(handler=run_serve)
@@ -206,7 +207,8 @@ def main(argv=None) -> None:
         default=None,
         help=f"tokens one step computes at most (default: sized for this machine at start-up: "
         f"the most whole blocks of tokens whose step takes about {STEP_TARGET_S} s, "
-        f"paged/serving/token_budget.py)",
+        f"paged/serving/token_budget.py; then a step with no decode in it may run its first prompt whole, "
+        f"up to {MAX_TOKEN_BUDGET} tokens. Set, it caps every step)",
     )
     serve.add_argument(
         "--enable-chunked-prefill",

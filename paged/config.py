@@ -209,7 +209,8 @@ class EngineConfig:
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds for the model
     kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY  # bytes of K/V pool when num_blocks is None
     max_num_seqs: int = 64  # running sequences at most (a request with n completions takes n)
-    max_num_batched_tokens: int = 2048  # tokens one step computes at most
+    max_num_batched_tokens: int = 2048  # tokens one step computes at most, while a sequence decodes
+    max_idle_prefill_tokens: int | None = None  # a step with no decode: its first prompt whole up to this; None: off
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
     seed: int = 0  # the engine's sampling generator
@@ -242,6 +243,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}), or some running sequences could never be scheduled"
             )
+        if self.max_idle_prefill_tokens is not None:
+            self.max_idle_prefill_tokens = integer("max_idle_prefill_tokens", self.max_idle_prefill_tokens, low=1)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enable_lora"):
             flag(name, getattr(self, name))
         self.max_loras = integer("max_loras", self.max_loras, low=1, high=MAX_LORAS)

@@ -30,14 +30,15 @@ def test_preemption_by_recompute_keeps_outputs(tiny_model, reference):
     assert_pool_empty(llm)
 
 
-@pytest.mark.parametrize("budget", [8, 13, 64])
-def test_chunked_prefill_keeps_outputs(tiny_model, reference, budget):
+@pytest.mark.parametrize("budget, idle_prefill", [(8, None), (13, None), (64, None), (8, 40)])
+def test_chunked_prefill_keeps_outputs(tiny_model, reference, budget, idle_prefill):
     prompts, expected = reference
     llm = make_tiny_llm(
         tiny_model,
         num_blocks=256,
         enable_chunked_prefill=True,
         max_num_batched_tokens=budget,
+        max_idle_prefill_tokens=idle_prefill,
         max_num_seqs=min(budget, 64),
     )
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)

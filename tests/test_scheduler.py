@@ -144,6 +144,25 @@ def test_decodes_come_first_in_the_batch_and_chunks_wait_their_turn():
     assert plan.batch == [(first, 1), (second, 5)] and second.num_tokens == 13
 
 
+def test_a_step_with_no_decode_runs_its_first_prompt_whole_up_to_max_idle_prefill_tokens():
+    """No stream waits on a step without a decode, so the budget stretches to the first prompt in line, up to
+    max_idle_prefill_tokens. A 20-token prompt on an idle scheduler runs whole; a 40-token one that arrives while it
+    decodes gets what the budget leaves (7), then, alone, 24 (the stretch's limit) and the last 9 in one step.
+    Left at None, every step keeps the budget."""
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_idle_prefill_tokens=24, enable_chunked_prefill=True)
+    short = add(scheduler, [1] * 20, "short").seqs[0]
+    plan, _ = step(scheduler)
+    assert plan.batch == [(short, 20)]
+    longer = add(scheduler, [3] * 40, "longer").seqs[0]
+    plan, _ = step(scheduler)
+    assert plan.batch == [(short, 1), (longer, 7)]
+    scheduler.abort([short])
+    assert [step(scheduler)[0].batch for _ in range(3)] == [[(longer, 24)], [(longer, 9)], [(longer, 1)]]
+    off = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=True)
+    seq = add(off, [1] * 20).seqs[0]
+    assert [step(off)[0].batch for _ in range(3)] == [[(seq, 8)], [(seq, 8)], [(seq, 4)]]
+
+
 def test_a_preempted_sequence_is_recomputed_and_ends_with_the_same_tokens():
     """Two sequences outgrow a small pool: the newer is preempted (its blocks dropped), recomputed later from its
     prompt and output, and finishes; every block comes back."""
@@ -174,6 +193,7 @@ def test_a_checkpoint_restores_queues_and_the_next_sequence_id():
     [
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 2, "max_num_seqs": 4}, "max_num_batched_tokens"),
+        ({"max_idle_prefill_tokens": 0}, "max_idle_prefill_tokens"),
         ({"block_size": 12}, "power of two"),
         ({"num_blocks": 0}, "num_blocks"),
         ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"),

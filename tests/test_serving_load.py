@@ -100,7 +100,11 @@ def test_the_servers_defaults_are_its_own_and_llms_are_unchanged():
         tiny_llama(), device="cpu", dtype=torch.float32, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=96
     )
     assert sized is None and llm.engine.config.max_num_batched_tokens == 96
+    assert llm.engine.config.max_idle_prefill_tokens is None  # a budget given caps every step
     assert llm.engine.config.enable_chunked_prefill and llm.engine.config.enable_prefix_caching
+    machine, sized = serving_llm(tiny_llama(), device="cpu", dtype=torch.float32, num_blocks=64, max_num_seqs=8)
+    assert machine.engine.config.max_num_batched_tokens == sized.budget
+    assert machine.engine.config.max_idle_prefill_tokens == MAX_TOKEN_BUDGET  # a sized one stretches when idle
     whole, sized = serving_llm(tiny_llama(), device="cpu", num_blocks=64, enable_chunked_prefill=False)
     assert sized is None and whole.engine.config.max_num_batched_tokens == UNCHUNKED_TOKEN_BUDGET
     offline = make_tiny_llm(tiny_llama())
@@ -112,6 +116,7 @@ def test_the_command_line_says_how_the_server_schedules():
         [sys.executable, "-m", "paged", "serve", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "sized for this machine" in help_text and "--no-enable-chunked-prefill" in help_text
+    assert "no stream decodes runs its first prompt whole" in " ".join(help_text.split())
     assert "--no-enable-prefix-caching" in help_text and "not LLM's offline defaults" in " ".join(help_text.split())
 
 

@@ -276,6 +276,7 @@ features = st.fixed_dictionaries(
         "max_num_seqs": st.sampled_from([3, 8]),
         "enable_chunked_prefill": st.booleans(),
         "max_num_batched_tokens": st.sampled_from([16, 40, 256]),
+        "max_idle_prefill_tokens": st.sampled_from([None, 64]),
         "enable_prefix_caching": st.booleans(),
         "preemption_mode": st.sampled_from(["recompute", "swap"]),
         "offload_tier": st.booleans(),
@@ -299,6 +300,7 @@ def build(tiny_model, config) -> "paged.LLM":
             "max_num_seqs",
             "enable_chunked_prefill",
             "max_num_batched_tokens",
+            "max_idle_prefill_tokens",
             "enable_prefix_caching",
             "preemption_mode",
         )

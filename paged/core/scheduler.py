@@ -1,6 +1,7 @@
 """The scheduler: which sequences run in the next engine step, and how many tokens each (guide §11, §12).
 
-Every step it fills a token budget (`max_num_batched_tokens`):
+Every step it fills a token budget (`max_num_batched_tokens`; in a step with no decode, optionally stretched to hold
+the first prompt whole, `max_idle_prefill_tokens`):
   1. running sequences first: decodes (one token each), then the next chunks of prompts being prefilled;
      if the pool has no block for one of them, the most recently admitted running sequence not yet scheduled
      is preempted (its blocks freed, to be recomputed later) until there is room;
@@ -144,6 +145,8 @@ class Scheduler:
         scheduled_ids: set[int] = set()
         decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
         prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        if not decoding:
+            budget = self._idle_budget(budget, prefilling)
         for seq in decoding + prefilling:  # decodes first, then the running prompts' next chunks
             if budget == 0:
                 break
@@ -209,6 +212,17 @@ class Scheduler:
             if seq.num_computed_tokens + num_new == seq.num_tokens + len(seq.spec_token_ids):
                 out.forks += [(seq, self.new_sequence(seq.request)) for _ in range(seq.num_seats - 1)]
         return out
+
+    def _idle_budget(self, budget: int, prefilling: list[Sequence]) -> int:
+        """The budget of a step in which no sequence decodes. The budget caps a step's length because every stream
+        waits for the whole step before its next token; with no stream, nobody waits, and cutting a prompt into
+        chunks only makes its first token later (each chunk reads the weights again). So the first prompt in line
+        (a running one's rest, else the head of the queue) may run whole, up to max_idle_prefill_tokens."""
+        cap = self.config.max_idle_prefill_tokens
+        first = prefilling[0] if prefilling else self.waiting[0] if self.waiting and not self.swapped else None
+        if cap is None or first is None:
+            return budget
+        return max(budget, min(first.num_tokens - first.num_computed_tokens, cap))
 
     def _batch_order(self, item: tuple[Sequence, int]) -> tuple[bool, int]:
         """The forward pass's order: single-token decodes first, then the chunks of more tokens, the layout

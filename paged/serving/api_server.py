@@ -27,7 +27,8 @@ vLLM's extra fields min_p and include_stop_str_in_output mean what they mean in 
 
 `python -m paged serve` runs the engine as `vllm serve` runs it on a CPU (server_defaults): every prompt chunked,
 prefix caching on, and a token budget sized at start-up for this machine (serving/token_budget.py), so that no step runs
-so many prompt tokens that the streams waiting on it stall. `LLM`'s offline defaults are left as they are.
+so many prompt tokens that the streams waiting on it stall; a step with no stream waiting on it runs its first prompt
+whole. `LLM`'s offline defaults are left as they are.
 
 With `stream: true` the answer is server-sent events, one chunk per engine step that produced text, then
 `data: [DONE]`. A client that disconnects aborts its request: its blocks go back to the pool at once.
@@ -1024,7 +1025,8 @@ UNCHUNKED_TOKEN_BUDGET = 2048  # vllm serve's on a CPU, for a server told not to
 def server_defaults() -> dict:
     """The engine settings `python -m paged serve` uses unless told otherwise, vllm serve's on a CPU: every prompt
     chunked, prefix caching on, up to 128 sequences. Its token budget (None here) is sized for the machine once the
-    model is loaded (serving/token_budget.py). `LLM`'s own defaults, for offline batches, are unchanged."""
+    model is loaded (serving/token_budget.py), and a step with no decode in it may then run its first prompt whole
+    (max_idle_prefill_tokens). `LLM`'s own defaults, for offline batches, are unchanged."""
     return {
         "block_size": 16,
         "num_blocks": None,
@@ -1044,6 +1046,7 @@ def serving_llm(model="smollm2", **settings):
     budget = settings.pop("max_num_batched_tokens")
     if budget is None and not settings["enable_chunked_prefill"]:
         budget = UNCHUNKED_TOKEN_BUDGET  # every prompt must fit one step: no budget sized for short steps
+    settings.setdefault("max_idle_prefill_tokens", None if budget else MAX_TOKEN_BUDGET)  # a sized budget's stretch
     llm = LLM(model=model, max_num_batched_tokens=budget or MAX_TOKEN_BUDGET, **settings)
     if budget is not None:
         return llm, None

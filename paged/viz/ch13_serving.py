@@ -104,6 +104,7 @@ def plot_token_logprobs(content):
 POLICY_LABELS = {
     "whole": "whole prompts, 2048 tokens a step",
     "chunked-2048": "chunked, 2048 tokens a step",
+    "sized-every-step": "chunked, budget sized for the machine, in every step",
     "sized": "chunked, budget sized for the machine",
 }
 
