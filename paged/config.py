@@ -209,7 +209,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: as many as kv_cache_memory holds for the model
     kv_cache_memory: float = DEFAULT_KV_CACHE_MEMORY  # bytes of K/V pool when num_blocks is None
     max_num_seqs: int = 64  # running sequences at most (a request with n completions takes n)
-    max_num_batched_tokens: int = 2048  # tokens one step computes at most, while a sequence decodes
+    max_num_batched_tokens: int = 2048  # tokens one step computes at most (but see max_idle_prefill_tokens)
     max_idle_prefill_tokens: int | None = None  # a step with no decode: its first prompt whole up to this; None: off
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
