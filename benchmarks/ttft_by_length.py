@@ -1,4 +1,5 @@
-"""Time to first token on an idle server, by prompt length (guide §11 prefill, §13 TTFT): where a tail under load starts.
+"""Time to first token by prompt length, on an idle server or beside streams decoding (guide §11 prefill, §13 TTFT):
+where a tail under load starts.
 
     python benchmarks/ttft_by_length.py \
         --server "paged=python -m paged serve --port 8011 --served-model-name smollm2" \
@@ -6,18 +7,26 @@
 
 Each server is started by its command, waited for (/health), timed, and stopped, in turns A B A B (--rounds), so
 that a slow spell of the machine falls on all of them; never two at once, as an idle server's threads can still
-spin on the cores the other one computes on. One streamed request at a time, so no request waits for another: its
-TTFT is the front end, the prompt's prefill steps and the first token's way back, nothing else. Every prompt is new
-random token ids (no prefix-cache hit anywhere). Printed: each server's median TTFT at each length over all rounds,
-and each median against the first server's.
+spin on the cores the other one computes on. By default one streamed request at a time, so no request waits for
+another: its TTFT is the front end, the prompt's prefill steps and the first token's way back, nothing else. Every
+prompt is new random token ids (no prefix-cache hit anywhere).
+
+Two settings bring back a part of load at a time. With --streams N, N other streams decode all the while (each
+restarted with a new prompt when it ends), so that every timed prompt is computed in a step with N decodes, as under
+load, without the queueing of random arrivals. With --burst K, K prompts of each length are sent at once, and the
+last of their first tokens is timed: a step, or several, computing a burst's prompts.
+
+Printed: each server's median TTFT at each length over all rounds, and each median against the first server's.
 """
 
 import argparse
+import concurrent.futures
 import os
 import random
 import signal
 import statistics
 import subprocess
+import threading
 import time
 
 import httpx
@@ -33,6 +42,34 @@ def first_token_seconds(client: httpx.Client, url: str, model: str, prompt: list
             if line.startswith("data: ") and line != "data: [DONE]":
                 return time.perf_counter() - start
     raise RuntimeError(f"{url} streamed no token")
+
+
+def burst_first_token_seconds(url: str, model: str, prompts: list[list[int]]) -> float:
+    """Seconds from sending all of `prompts` at once, each from a thread and a connection of its own, until the last
+    of them has its first chunk of text: the first token of a burst's last request."""
+    start = threading.Barrier(len(prompts))
+
+    def one(prompt: list[int]) -> float:
+        with httpx.Client(timeout=300) as client:
+            start.wait()
+            return first_token_seconds(client, url, model, prompt)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return max(pool.map(one, prompts))
+
+
+def keep_streaming(url: str, model: str, seed: int, stop: threading.Event) -> None:
+    """One stream decoding until `stop` is set: streamed completions of new 64-token prompts, one after another."""
+    rng = random.Random(seed)
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            prompt = [rng.randrange(1000, 40000) for _ in range(64)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1024, "stream": True, "ignore_eos": True}
+            with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                for _ in response.iter_lines():
+                    if stop.is_set():
+                        break  # closing the stream aborts the request
 
 
 def start_server(command: str, url: str) -> subprocess.Popen:
@@ -78,6 +115,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="requests per length, server and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streams", type=int, default=0, help="other streams decoding while each prompt is timed")
+    parser.add_argument("--burst", type=int, default=1, help="prompts sent at once; timed: the last first token")
     args = parser.parse_args()
     servers = dict(entry.split("=", 1) for entry in args.server)
     times = {name: {length: [] for length in args.lengths} for name in servers}
@@ -86,14 +125,29 @@ def main() -> None:
             rng = random.Random(args.seed + round_number)  # every server gets the same prompts in a round
             new_prompt = lambda length: [rng.randrange(1000, 40000) for _ in range(length)]  # noqa: E731
             server = start_server(command, args.url)
+            stop = threading.Event()
+            streams = [
+                threading.Thread(target=keep_streaming, args=(args.url, args.model, 1000 * round_number + i, stop))
+                for i in range(args.streams)
+            ]
             try:
                 with httpx.Client(timeout=300) as client:
                     first_token_seconds(client, args.url, args.model, new_prompt(64))  # not timed: a warm-up
+                    for stream in streams:
+                        stream.start()
+                    time.sleep(3.0 if streams else 0.0)  # the streams' own prompts computed: they decode
                     for length in args.lengths:
                         for _ in range(args.repeats):
-                            seconds = first_token_seconds(client, args.url, args.model, new_prompt(length))
+                            if args.burst == 1:
+                                seconds = first_token_seconds(client, args.url, args.model, new_prompt(length))
+                            else:
+                                prompts = [new_prompt(length) for _ in range(args.burst)]
+                                seconds = burst_first_token_seconds(args.url, args.model, prompts)
                             times[name][length].append(seconds)
             finally:
+                stop.set()
+                for stream in streams:
+                    stream.join()
                 stop_server(server, args.url)
             print(f"round {round_number + 1}: {name} done", flush=True)
     print(f"{'prompt':>7} " + " ".join(f"{name + ' ms':>12}" for name in servers) + "   against the first")
