@@ -6,9 +6,9 @@
 # writes it, no real ShareGPT, there is no network); then, in the first round, by GuideLLM (`guidellm`: chat
 # completions, where .venv-guidellm holds it) and benchmarks/serve_bench.py (`serve-bench`: ShareGPT-like lengths)
 # at SERVE_BENCH_RATES. The servers take turns, A B A B (ROUNDS), so that a slow spell of the machine falls on both.
-# Every result goes to benchmarks/results/serve/ (GuideLLM's log beside its results), and
-# benchmarks/serve_compare.py puts them together in OUT_JSON (benchmarks/results/serve_vs_vllm.json) with how each
-# server was run.
+# Every result goes to benchmarks/results/serve/ (GuideLLM's log beside its results, and this server's console, where
+# it prints the token budget it sized at start-up), and benchmarks/serve_compare.py puts them together in OUT_JSON
+# (benchmarks/results/serve_vs_vllm.json) with how each server was run, on which CPU, under which budgets.
 # WORKLOADS picks the workloads (default all: "random prefix sharegpt guidellm serve-bench"), e.g.
 #   WORKLOADS="sharegpt guidellm" make bench-serve
 # and OUT_JSON where serve_compare.py writes: benchmarks/results/serve_vs_vllm.json for all the workloads, the
@@ -28,7 +28,7 @@ VLLM_PY=${VLLM_PY:-.venv-vllm/bin/python}
 GUIDELLM=${GUIDELLM:-$PWD/.venv-guidellm/bin/guidellm}   # GuideLLM's chat-completions load, where it is installed
 PORT=${PORT:-8011}
 CORES=${CORES:-0-$(($(nproc) - 1))}
-RATES=${RATES:-0.25 0.5 1 2 3 4}
+RATES=${RATES:-0.25 0.5 0.625 0.75 1 2 4}   # on 2 cores, SLO attainment falls between 0.5 and 1 req/s
 SERVE_BENCH_RATES=${SERVE_BENCH_RATES:-0.5 2}
 ROUNDS=${ROUNDS:-2}
 ALL_WORKLOADS="random prefix sharegpt guidellm serve-bench"
@@ -66,6 +66,13 @@ wait_healthy() {   # at most 10 minutes: vLLM compiles on first start
     sleep 0.5
   done
   echo "the server was not healthy within 10 minutes" >&2; return 1
+}
+
+start_paged() {   # start_paged LOG [ARGS...]: this server, its console in LOG, which shows the token budget it sized
+  local log=$1; shift
+  taskset -c "$CORES" $PAGED_COMMAND "$@" >"$log" 2>&1 & server=$!
+  wait_healthy || { tail -20 "$log" >&2; return 1; }
+  grep "^token budget" "$log" || true
 }
 
 num_prompts() {   # enough arrivals for a tail at each rate, without an hour at the slowest
@@ -146,14 +153,12 @@ have_vllm=0
 
 for round in $(seq "$ROUNDS"); do
   echo "== round $round: python -m paged serve (cores $CORES)"
-  taskset -c "$CORES" $PAGED_COMMAND & server=$!
-  wait_healthy
+  start_paged "$OUT/paged_r$round.log"
   load paged "$round"
   stop
   for budget in ${BUDGETS:-}; do
     echo "== round $round: python -m paged serve --max-num-batched-tokens $budget (cores $CORES)"
-    taskset -c "$CORES" $PAGED_COMMAND --max-num-batched-tokens "$budget" & server=$!
-    wait_healthy
+    start_paged "$OUT/paged-b${budget}_r$round.log" --max-num-batched-tokens "$budget"
     load "paged-b$budget" "$round"
     stop
   done
@@ -165,7 +170,14 @@ for round in $(seq "$ROUNDS"); do
     stop
   fi
 done
+# the budget this server sized at each start (a round's timing of the machine), and the CPU it timed
+sized=$(for log in "$OUT"/paged_r*.log; do
+  round=${log##*_r}
+  sed -n "s/^token budget: \(.*\); --max-num-batched-tokens sets it)\$/round ${round%.log}: \1)/p" "$log"
+done | paste -sd ';' | sed 's/;/; /g')
+cpu="$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo), $(nproc) cores"
 $PY benchmarks/serve_compare.py "$OUT" --out "$OUT_JSON" \
-  --how "cores=$CORES" "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
+  --how "cpu=$cpu" "paged_token_budget=${sized:-given on the command line}" "cores=$CORES" \
+  "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
   "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
   "budgets=${BUDGETS:-}"

@@ -98,6 +98,17 @@ def test_the_tables_show_every_client_and_workload(serve_compare, tmp_path, caps
     assert "vllm-bench, sharegpt, 0.5 req/s: goodput >= vllm yes, ttft p99 <= vllm NO" in out
 
 
+def test_guidellm_counts_no_goodput_so_none_is_compared(serve_compare, tmp_path, capsys):
+    write(tmp_path, "paged_guidellm_synthetic_2_r1", guidellm(800))
+    write(tmp_path, "vllm_guidellm_synthetic_2_r1", guidellm(900))
+    rows = serve_compare.average(serve_compare.read_runs(tmp_path))
+    compared = serve_compare.comparisons(rows)
+    (at,) = compared["at_rates"]
+    assert at["goodput >= vllm"] is None and at["ttft p99 <= vllm"]
+    serve_compare.print_tables(rows, compared)
+    assert "guidellm, synthetic, 2 req/s: goodput >= vllm not counted, ttft p99 <= vllm yes" in capsys.readouterr().out
+
+
 def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, capsys):
     runs = tmp_path / "runs"
     runs.mkdir()
