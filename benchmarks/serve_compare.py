@@ -7,8 +7,10 @@ Reads every result file the script left in the folder, named SERVER_CLIENT_WORKL
 benchmark client's (times in ms, goodput in requests/s), GuideLLM's (times in ms; its ITL is each request's mean gap,
 weighted by its tokens, not every gap as vLLM's client counts it, and it has no SLO here) and serve_bench.py's (times
 in s). Puts them in one shape (seconds), averages each figure over the rounds, prints per client and workload a table
-of the two servers at each rate, then the comparisons the benchmark exists for: at every rate, this server's goodput, TTFT p99, ITL p99 and
-output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 % of requests.
+of the two servers at each rate, then the comparisons the benchmark exists for: at every rate, this server's goodput,
+TTFT p99, ITL p99 and output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 %
+of requests. A GuideLLM run that sent its requests late (a burst, not the rate it names) stays in the file's runs with
+the reason, out of the summary and the comparisons.
 """
 
 import argparse
@@ -31,6 +33,7 @@ FIGURES = (
     "failures",
 )
 SLO_SHARE = 0.9  # DistServe's goodput: the highest rate at which this share of requests meets the SLO
+LATE_S = 1.0  # a request sent this much after its arrival time: the client did not offer the rate it was asked for
 
 
 def from_vllm_bench(saved: dict) -> dict:
@@ -76,6 +79,19 @@ def from_guidellm(saved: dict) -> dict:
     return row
 
 
+def guidellm_late(saved: dict) -> str | None:
+    """Why a GuideLLM run did not offer its rate, or None where every request went out on time.
+
+    GuideLLM keeps each request's arrival time (`targeted_start`) beside the time it sent it (`request_start`). A
+    client that falls behind, or (GuideLLM 0.8.1's Poisson profile) reads its arrival clock before it is set, sends
+    its requests late and together: a burst, which no rate's figures should be compared with."""
+    timings = [r["info"]["timings"] for r in saved["benchmarks"][0]["requests"]["successful"]]
+    late = sum(t["request_start"] - t["targeted_start"] > LATE_S for t in timings)
+    if late == 0:
+        return None
+    return f"{late} of {len(timings)} requests went out more than {LATE_S:g} s after their arrival time"
+
+
 READERS = {
     "vllm-bench": from_vllm_bench,
     "guidellm": from_guidellm,
@@ -96,6 +112,8 @@ def read_runs(folder: Path) -> list[dict]:
                 "workload": workload,
                 "rate": float(rate),
                 "round": int(round_[1:]),
+                # why the run is kept out of the summary and the comparisons (None: it is not)
+                "left_out": guidellm_late(saved) if client == "guidellm" else None,
                 **figures,
             }
         )
@@ -103,10 +121,11 @@ def read_runs(folder: Path) -> list[dict]:
 
 
 def average(runs: list[dict]) -> list[dict]:
-    """One row per server, client, workload and rate: each figure's mean over the rounds."""
+    """One row per server, client, workload and rate: each figure's mean over the rounds it was not left out of."""
     groups = {}
     for run in runs:
-        groups.setdefault((run["client"], run["workload"], run["rate"], run["server"]), []).append(run)
+        if run["left_out"] is None:
+            groups.setdefault((run["client"], run["workload"], run["rate"], run["server"]), []).append(run)
     rows = []
     for (client, workload, rate, server), group in sorted(groups.items()):
         rows.append(
@@ -162,7 +181,7 @@ def comparisons(rows: list[dict]) -> dict:
     return {"at_rates": at_rates, f"highest_rate_{int(SLO_SHARE * 100)}pct_slo": highest}
 
 
-def print_tables(rows: list[dict], compared: dict) -> None:
+def print_tables(rows: list[dict], compared: dict, runs: list[dict]) -> None:
     keys = sorted({(r["client"], r["workload"]) for r in rows})
     for client, workload in keys:
         print(
@@ -191,6 +210,12 @@ def print_tables(rows: list[dict], compared: dict) -> None:
         print(f"  {c['server']}, {c['client']}, {c['workload']}, {c['rate']:g} req/s: {checks}")
     highest = compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo"]
     print(f"highest rate measured with {SLO_SHARE:.0%} of requests in the SLO: {highest}")
+    for run in runs:
+        if run["left_out"] is not None:
+            print(
+                f"left out: {run['server']}, {run['client']}, {run['workload']}, {run['rate']:g} req/s, "
+                f"round {run['round']}: {run['left_out']}"
+            )
 
 
 def main(argv=None) -> None:
@@ -204,7 +229,7 @@ def main(argv=None) -> None:
         parser.error(f"no result files in {args.folder}")
     rows = average(runs)
     compared = comparisons(rows)
-    print_tables(rows, compared)
+    print_tables(rows, compared, runs)
     how = dict(item.split("=", 1) for item in args.how)
     args.out.write_text(
         json.dumps({"how": how, "summary": rows, "comparisons": compared, "runs": runs}, indent=1) + "\n"

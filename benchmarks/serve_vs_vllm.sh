@@ -117,13 +117,20 @@ load() {   # load NAME ROUND: every workload of WORKLOADS against the server on 
       --dataset-path "$SHAREGPT_FILE" --num-prompts "$(num_prompts "$rate")"
   done
   if [ "$round" = 1 ] && runs guidellm && [ -x "$GUIDELLM" ]; then
+    local guidellm_seed=300
     for rate in $SERVE_BENCH_RATES; do
-      echo "-- $name, GuideLLM, synthetic 320-token prompts, $rate req/s"
-      # its report to the console goes nowhere; its log (stderr) stays beside the results, where a failure shows why
-      (cd "$OUT" && taskset -c "$CORES" "$GUIDELLM" run --disable-console-interactive \
+      guidellm_seed=$((guidellm_seed + 1))   # its synthetic prompts come from this seed: each run has its own
+      echo "-- $name, GuideLLM, synthetic 320-token prompts, $rate req/s, evenly spaced"
+      # Its report to the console goes nowhere; its log (stderr) stays beside the results, where a failure shows why.
+      # GuideLLM 0.8.1's Poisson profile can read its arrival clock before it is set, and then sends every request
+      # at once, so its constant profile (arrivals 1/rate apart); one worker process (an asyncio loop, plenty for
+      # these streams), and arrivals from 30 s after its start, when that worker is surely up.
+      (cd "$OUT" && GUIDELLM__MAX_WORKER_PROCESSES=1 GUIDELLM__SCHEDULER_START_DELAY_NON_DISTRIBUTED=30 \
+        taskset -c "$CORES" "$GUIDELLM" run --disable-console-interactive \
         --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=smollm2" \
-        --profile "kind=poisson,rate=$rate" --data "kind=synthetic_text,prompt_tokens=320,output_tokens=96" \
-        --tokenizer "kind=hf_auto,model=$MODEL_DIR" --constraint "kind=max_requests,count=$(num_prompts "$rate")" \
+        --profile "kind=constant,rate=$rate" --data "kind=synthetic_text,prompt_tokens=320,output_tokens=96" \
+        --seed "kind=static,value=$guidellm_seed" --tokenizer "kind=hf_auto,model=$MODEL_DIR" \
+        --constraint "kind=max_requests,count=$(num_prompts "$rate")" \
         --output "kind=json,path=${name}_guidellm_synthetic_${rate}_r1.json" \
         >/dev/null 2>"${name}_guidellm_synthetic_${rate}_r1.log") ||
         echo "GuideLLM failed (its log: $OUT/${name}_guidellm_synthetic_${rate}_r1.log)"

@@ -30,8 +30,9 @@ def vllm_bench(ttft_p99_ms, itl_p99_ms, out_tok_s, goodput, completed=20, failed
     return saved
 
 
-def guidellm(ttft_p99_ms, successful=10, duration=5.0):
-    """The fields of GuideLLM 0.8.1's `--output kind=json` report the comparison reads (times in ms, latency in s)."""
+def guidellm(ttft_p99_ms, successful=10, duration=5.0, late_s=(0.0,)):
+    """The fields of GuideLLM 0.8.1's `--output kind=json` report the comparison reads (times in ms, latency in s);
+    its requests go out late_s after their arrival times (cycled over them)."""
 
     def stats(p50, p99):
         return {"successful": {"percentiles": {"p50": p50, "p99": p99}}}
@@ -44,7 +45,11 @@ def guidellm(ttft_p99_ms, successful=10, duration=5.0):
         "time_per_output_token_ms": stats(45.0, 70.0),
         "request_latency": stats(3.0, 4.0),
     }
-    return {"benchmarks": [{"metrics": metrics, "duration": duration}]}
+    requests = [
+        {"info": {"timings": {"targeted_start": 100.0 + i, "request_start": 100.0 + i + late_s[i % len(late_s)]}}}
+        for i in range(successful)
+    ]
+    return {"benchmarks": [{"metrics": metrics, "duration": duration, "requests": {"successful": requests}}]}
 
 
 def write(folder: Path, name: str, saved: dict) -> None:
@@ -92,7 +97,7 @@ def test_the_tables_show_every_client_and_workload(serve_compare, tmp_path, caps
     write(tmp_path, "vllm_vllm-bench_sharegpt_0.5_r1", vllm_bench(600, 300, 90, 0.5))
     write(tmp_path, "paged_guidellm_synthetic_0.5_r1", guidellm(800))
     rows = serve_compare.average(serve_compare.read_runs(tmp_path))
-    serve_compare.print_tables(rows, serve_compare.comparisons(rows))
+    serve_compare.print_tables(rows, serve_compare.comparisons(rows), [])
     out = capsys.readouterr().out
     assert "vllm-bench, sharegpt prompts (mean of the rounds)" in out and "guidellm, synthetic prompts" in out
     assert "vllm-bench, sharegpt, 0.5 req/s: goodput >= vllm yes, ttft p99 <= vllm NO" in out
@@ -105,8 +110,24 @@ def test_guidellm_counts_no_goodput_so_none_is_compared(serve_compare, tmp_path,
     compared = serve_compare.comparisons(rows)
     (at,) = compared["at_rates"]
     assert at["goodput >= vllm"] is None and at["ttft p99 <= vllm"]
-    serve_compare.print_tables(rows, compared)
+    serve_compare.print_tables(rows, compared, [])
     assert "guidellm, synthetic, 2 req/s: goodput >= vllm not counted, ttft p99 <= vllm yes" in capsys.readouterr().out
+
+
+def test_a_guidellm_run_that_sent_its_requests_late_is_kept_out_of_the_comparison(serve_compare, tmp_path, capsys):
+    # as GuideLLM 0.8.1's Poisson profile did once its arrival clock was read unset: every request at once
+    write(tmp_path, "paged_guidellm_synthetic_2_r1", guidellm(9000, late_s=(0.0, 30.0, 0.5)))
+    write(tmp_path, "vllm_guidellm_synthetic_2_r1", guidellm(900, late_s=(0.0, 0.9)))  # on time: within a second
+    runs = serve_compare.read_runs(tmp_path)
+    late = {r["server"]: r["left_out"] for r in runs}
+    assert late == {"paged": "3 of 10 requests went out more than 1 s after their arrival time", "vllm": None}
+    rows = serve_compare.average(runs)
+    assert [r["server"] for r in rows] == ["vllm"]
+    compared = serve_compare.comparisons(rows)
+    assert compared["at_rates"] == []  # no pair left to compare at 2 req/s
+    serve_compare.print_tables(rows, compared, runs)
+    out = capsys.readouterr().out
+    assert "left out: paged, guidellm, synthetic, 2 req/s, round 1: 3 of 10 requests went out more than 1 s" in out
 
 
 def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, capsys):
@@ -132,5 +153,5 @@ def test_a_budget_sweep_compares_each_budget_with_vllm(serve_compare, tmp_path, 
     assert not by_server["paged"]["ttft p99 <= vllm"] and by_server["paged-b512"]["ttft p99 <= vllm"]
     assert by_server["paged-b512"]["output tok/s >= vllm"] and not by_server["paged"]["output tok/s >= vllm"]
     assert compared["highest_rate_90pct_slo"] == {"paged": None, "paged-b512": 2.0, "vllm": 2.0}
-    serve_compare.print_tables(rows, compared)
+    serve_compare.print_tables(rows, compared, [])
     assert "paged-b512, vllm-bench, random, 2 req/s: goodput >= vllm yes" in capsys.readouterr().out
