@@ -2,10 +2,12 @@
 as LLM.generate, text and stop strings made on the server's side, metrics fed across the pipe, a dead engine core
 reported instead of waited on, and no process left behind."""
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -98,6 +100,19 @@ def test_answers_equal_generate_and_metrics_cross_the_pipe(folder):
     finally:
         client.shutdown()
     assert not client.is_running and client._core_process.exitcode == 0
+
+
+def test_every_thread_that_asks_reads_the_engine_core_exit_code():
+    # the client's reader thread and shutdown both wait for the process to exit; joining it from both at once
+    # left one of them, about one time in two, reading None for a process that had exited with 0
+    context = multiprocessing.get_context("fork")
+    for _ in range(40):
+        client = AsyncMPClient.__new__(AsyncMPClient)
+        client._core_process = context.Process(target=time.sleep, args=(0.02,))
+        client._exit_lock = threading.Lock()
+        client._core_process.start()
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda _: client._exit_code(timeout=DEADLINE_S), range(2))) == [0, 0]
 
 
 def test_a_dead_engine_core_is_reported_not_waited_on(folder):

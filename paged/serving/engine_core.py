@@ -17,6 +17,7 @@ can be looked at while it serves.
 """
 
 import multiprocessing
+import multiprocessing.connection
 import signal
 import threading
 
@@ -90,6 +91,20 @@ def watch_health(engine, core: EngineLoop, emit) -> None:
             return
 
 
+def loaded(conn, process) -> tuple:
+    """The engine core's "ready" message; a RuntimeError if it dies before sending one."""
+    while not conn.poll(READY_POLL_S):
+        if not process.is_alive():
+            break
+    else:
+        try:
+            return conn.recv()
+        except EOFError:  # it died after the poll
+            pass
+    process.join()
+    raise RuntimeError(f"the engine core process exited with code {process.exitcode} while loading")
+
+
 class AsyncMPClient(AsyncLLM):
     """AsyncLLM's methods over an engine core in its own process (vLLM's AsyncMPClient). Made by `start`, which
     returns once the model is loaded; tokenizer, max_model_len, vocab_size and token_budget come from there."""
@@ -110,10 +125,7 @@ class AsyncMPClient(AsyncLLM):
         )
         process.start()
         child_conn.close()
-        while not conn.poll(READY_POLL_S):
-            if not process.is_alive():
-                raise RuntimeError(f"the engine core process exited with code {process.exitcode} while loading")
-        _, info, error = conn.recv()
+        _, info, error = loaded(conn, process)
         if error is not None:
             process.join()
             raise error
@@ -128,6 +140,7 @@ class AsyncMPClient(AsyncLLM):
         self._streams = {}
         self._closed = threading.Event()
         self._conn, self._core_process, self._send_lock = conn, process, threading.Lock()
+        self._exit_lock = threading.Lock()
         self._problem: str | None = None
         self._reader = threading.Thread(target=self._read, name="paged-engine-core-reader", daemon=True)
         self._reader.start()
@@ -151,14 +164,26 @@ class AsyncMPClient(AsyncLLM):
                 self._problem = message[1]
             else:
                 self._dispatch(message)
-        self._core_process.join(timeout=5)
-        error = RuntimeError(f"the engine core process has exited (exit code {self._core_process.exitcode})")
+        error = RuntimeError(f"the engine core process has exited (exit code {self._exit_code(timeout=5)})")
         for request_id in list(self._streams):
             self._dispatch(("failed", request_id, error))
 
+    def _exit_code(self, timeout: float) -> int | None:
+        """The engine core's exit code, waiting up to `timeout` seconds for it to exit; None while it runs.
+
+        Its sentinel is ready once it has begun to exit (the process has closed its files), a moment before the
+        exit code can be read: join waits out that moment. The threads that ask take turns, since Python's
+        multiprocessing keeps no lock of its own: a thread that tries to reap a process another thread has just
+        reaped reads "still running"."""
+        if not multiprocessing.connection.wait([self._core_process.sentinel], timeout):
+            return None
+        with self._exit_lock:
+            self._core_process.join()
+            return self._core_process.exitcode
+
     @property
     def is_running(self) -> bool:
-        return self._core_process.is_alive() and not self._closed.is_set()
+        return not self._closed.is_set() and self._exit_code(timeout=0) is None
 
     def check_health(self) -> None:
         if self._problem is not None:
@@ -170,8 +195,7 @@ class AsyncMPClient(AsyncLLM):
             return
         self._closed.set()
         self._send(("stop", None))
-        self._core_process.join(timeout)
-        if self._core_process.is_alive():
+        if self._exit_code(timeout) is None:
             self._core_process.terminate()
-            self._core_process.join(timeout)
+            self._exit_code(timeout)
         self._conn.close()
