@@ -10,7 +10,8 @@ in s). Puts them in one shape (seconds), averages each figure over the rounds, p
 of the two servers at each rate, then the comparisons the benchmark exists for: at every rate, this server's goodput,
 TTFT p99, ITL p99 and output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 %
 of requests. A GuideLLM run that sent its requests late (a burst, not the rate it names) stays in the file's runs with
-the reason, out of the summary and the comparisons.
+the reason, out of the summary and the comparisons. A vLLM client's run saved with --save-detailed keeps its requests
+in the file's runs: when each went out and its TTFT, to see which arrivals made the tail.
 """
 
 import argparse
@@ -92,6 +93,20 @@ def guidellm_late(saved: dict) -> str | None:
     return f"{late} of {len(timings)} requests went out more than {LATE_S:g} s after their arrival time"
 
 
+def sent_requests(saved: dict) -> list[dict] | None:
+    """Each successful request of a vLLM client's run saved with --save-detailed, in the order sent: when it went
+    out (seconds after the run's first), its prompt's length in tokens, its TTFT (s). None where the run kept no
+    detail."""
+    if "ttfts" not in saved:
+        return None
+    starts, first = saved["start_times"], min(saved["start_times"])
+    return [
+        {"sent_s": starts[i] - first, "prompt_tokens": saved["input_lens"][i], "ttft_s": saved["ttfts"][i]}
+        for i in sorted(range(len(starts)), key=starts.__getitem__)
+        if not saved["errors"][i]
+    ]
+
+
 READERS = {
     "vllm-bench": from_vllm_bench,
     "guidellm": from_guidellm,
@@ -115,6 +130,7 @@ def read_runs(folder: Path) -> list[dict]:
                 # why the run is kept out of the summary and the comparisons (None: it is not)
                 "left_out": guidellm_late(saved) if client == "guidellm" else None,
                 **figures,
+                "requests": sent_requests(saved) if client == "vllm-bench" else None,
             }
         )
     return runs

@@ -17,6 +17,10 @@
 # BUDGETS (empty by default) also runs this server at each of these token budgets, as `paged-b<N>` in the same
 # rounds (`--max-num-batched-tokens N`): the sweep behind the budget it sizes for itself, e.g.
 #   WORKLOADS=random RATES="1 2 4" BUDGETS="128 384 512 1024" make bench-serve
+# NUM_PROMPTS sets how many requests each run sends (all but the prefix workload's 32; by default 16 a run below one
+# request per second, 24 from one up): a longer run of a rate, e.g.
+#   WORKLOADS=random RATES=1 NUM_PROMPTS=64 OUT_JSON=benchmarks/results/serve_vs_vllm_1rps_64.json make bench-serve
+# vLLM's client saves every request's send time and TTFT (--save-detailed), which serve_compare.py keeps.
 # Each server runs as its own documentation sets it up on a CPU: this one with its defaults (chunked prefill under a
 # token budget it sizes for the machine, prefix caching); vLLM with VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE
 # and TCMalloc preloaded where Debian's libtcmalloc-minimal4 is installed, its own defaults otherwise (V1: chunked
@@ -75,8 +79,8 @@ start_paged() {   # start_paged LOG [ARGS...]: this server, its console in LOG, 
   grep "^token budget" "$log" || true
 }
 
-num_prompts() {   # enough arrivals for a tail at each rate, without an hour at the slowest
-  awk -v rate="$1" 'BEGIN { print (rate < 1 ? 16 : 24) }'
+num_prompts() {   # enough arrivals for a tail at each rate, without an hour at the slowest; NUM_PROMPTS sets it
+  if [ -n "${NUM_PROMPTS:-}" ]; then echo "$NUM_PROMPTS"; else awk -v rate="$1" 'BEGIN { print (rate < 1 ? 16 : 24) }'; fi
 }
 
 # Every run of a round has prompts of its own (its own seed), or a server would find a run's prompts in its prefix
@@ -86,7 +90,7 @@ vllm_client() {   # vllm_client NAME ROUND WORKLOAD RATE SEED ARGS...: one run o
   taskset -c "$CORES" "$VLLM_PY" benchmarks/vllm_bench_serve.py --backend vllm --base-url "http://127.0.0.1:$PORT" \
     --model smollm2 --tokenizer "$MODEL_DIR" --request-rate "$rate" --ignore-eos --seed "$seed" --disable-tqdm \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
-    --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" --save-result --result-dir "$OUT" \
+    --goodput "ttft:$SLO_TTFT_MS" "tpot:$SLO_TPOT_MS" --save-result --save-detailed --result-dir "$OUT" \
     --result-filename "${name}_vllm-bench_${workload}_${rate}_r${round}.json" "$@" 2>&1 | grep -E "^(Successful|Failed|Request throughput|Output token|P99 (TTFT|ITL)|Request goodput)" || true
 }
 
@@ -186,5 +190,5 @@ cpu="$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo), $(nproc) co
 $PY benchmarks/serve_compare.py "$OUT" --out "$OUT_JSON" \
   --how "cpu=$cpu" "paged_token_budget=${sized:-given on the command line}" "cores=$CORES" \
   "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
-  "rounds=$ROUNDS (A B A B)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
+  "rounds=$ROUNDS (A B A B)" "num_prompts=${NUM_PROMPTS:-16 a run below 1 req/s, 24 from 1 req/s up, 32 for prefix}" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
   "budgets=${BUDGETS:-}"

@@ -142,6 +142,24 @@ def test_the_comparison_file_says_how_each_server_ran(serve_compare, tmp_path, c
     assert "0.5 paged" in capsys.readouterr().out
 
 
+def test_a_detailed_run_keeps_its_requests_in_the_order_sent(serve_compare, tmp_path):
+    detailed = {
+        **vllm_bench(900, 100, 50, 0.5, completed=2, failed=1),
+        "start_times": [105.5, 104.0, 105.0],
+        "input_lens": [300, 128, 512],
+        "ttfts": [0.9, 0.2, 0.0],
+        "errors": ["", "", "the server hung up"],
+    }
+    write(tmp_path, "paged_vllm-bench_random_1_r1", detailed)
+    write(tmp_path, "vllm_vllm-bench_random_1_r1", vllm_bench(800, 100, 50, 0.5))
+    runs = {run["server"]: run for run in serve_compare.read_runs(tmp_path)}
+    assert runs["paged"]["requests"] == [
+        {"sent_s": 0.0, "prompt_tokens": 128, "ttft_s": 0.2},
+        {"sent_s": 1.5, "prompt_tokens": 300, "ttft_s": 0.9},
+    ]
+    assert runs["vllm"]["requests"] is None  # saved without --save-detailed
+
+
 def test_a_budget_sweep_compares_each_budget_with_vllm(serve_compare, tmp_path, capsys):
     write(tmp_path, "paged_vllm-bench_random_2_r1", vllm_bench(3000, 200, 100, 1.0))
     write(tmp_path, "paged-b512_vllm-bench_random_2_r1", vllm_bench(1000, 400, 120, 2.0))

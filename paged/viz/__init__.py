@@ -20,7 +20,8 @@ chapter's (05 and 06 draw pools the way 03 does), never on a later one's.
     ch12_reading_vllm              §7, §11 a decode step's parts against its memory floor
     ch13_serving                   §13     a streamed answer timed by the engine and the client, its tokens'
                                            log-probabilities, a server under load, its steps by scheduling
-                                           policy, two servers against the request rate
+                                           policy, two servers against the request rate, their
+                                           first tokens request by request
     ch14_parallel                  §1, §8  one block table over N ranks' pools of KV heads, an all-reduce's
                                            time against its bytes, a step's time against the parallel size
 """
@@ -131,6 +132,7 @@ from paged.viz.ch13_serving import (
     plot_step_trace,
     plot_stream_timing,
     plot_token_logprobs,
+    plot_ttft_by_send_time,
     stream_timing_series,
 )
 from paged.viz.ch14_parallel import (

@@ -1,6 +1,7 @@
 """Chapter 13's plots (guide §13): one streamed answer as the engine and the client timed it, the block pool
 and the queues of a server under load, as its /metrics reported them while the load ran, the serving loop's steps
-under three scheduling policies, and two servers' tails against the request rate (make bench-serve's results)."""
+under three scheduling policies, and two servers' tails against the request rate and request by request (make
+bench-serve's results)."""
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -162,5 +163,25 @@ def plot_servers_by_rate(comparison: dict, client: str = "vllm-bench", workload:
             )
             ax.set(xlabel="requests/s", ylabel=label, xscale="log")
     axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ttft_by_send_time(comparison: dict, round_: int, slo_ttft_s: float):
+    """One round of a run saved with each request (make bench-serve with vLLM's client): every request's TTFT against
+    when it was sent, one line per server (the same arrivals for both), and the SLO's TTFT."""
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    for color, server in zip(PALETTE, ("paged", "vllm")):
+        (run,) = (r for r in comparison["runs"] if r["server"] == server and r["round"] == round_)
+        ax.plot(
+            [q["sent_s"] for q in run["requests"]],
+            [q["ttft_s"] for q in run["requests"]],
+            ".-",
+            color=color,
+            label="python -m paged serve" if server == "paged" else "vllm serve",
+        )
+    ax.axhline(slo_ttft_s, color="grey", linestyle=":", label="the SLO's TTFT")
+    ax.set(xlabel="sent at (s after the first request)", ylabel="TTFT (s)", title=f"round {round_}")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
