@@ -10,6 +10,8 @@ from paged.analysis.load_client import LoadResult
 from paged.core.sequence import RequestMetrics
 from paged.viz.common import PALETTE
 
+SERVER_LABELS = {"paged": "python -m paged serve", "vllm": "vllm serve"}
+
 
 def stream_timing_series(sent: float, metrics: RequestMetrics, arrivals: list[float]) -> dict[str, np.ndarray]:
     """Milliseconds after the client sent its request: when the engine sampled each token, and when the client
@@ -159,7 +161,7 @@ def plot_servers_by_rate(comparison: dict, client: str = "vllm-bench", workload:
                 [r[key] * scale for r in mine],
                 "o-",
                 color=color,
-                label="python -m paged serve" if server == "paged" else "vllm serve",
+                label=SERVER_LABELS[server],
             )
             ax.set(xlabel="requests/s", ylabel=label, xscale="log")
     axes[0].legend(fontsize=8)
@@ -178,7 +180,7 @@ def plot_ttft_by_send_time(comparison: dict, round_: int, slo_ttft_s: float):
             [q["ttft_s"] for q in run["requests"]],
             ".-",
             color=color,
-            label="python -m paged serve" if server == "paged" else "vllm serve",
+            label=SERVER_LABELS[server],
         )
     ax.axhline(slo_ttft_s, color="grey", linestyle=":", label="the SLO's TTFT")
     ax.set(xlabel="sent at (s after the first request)", ylabel="TTFT (s)", title=f"round {round_}")
