@@ -9,8 +9,9 @@ weighted by its tokens, not every gap as vLLM's client counts it, and it has no 
 in s). Puts them in one shape (seconds), averages each figure over the rounds, prints per client and workload a table
 of the two servers at each rate, then the comparisons the benchmark exists for: at every rate, this server's goodput,
 TTFT p99, ITL p99 and output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 %
-of requests. A GuideLLM run that sent its requests late (a burst, not the rate it names) stays in the file's runs with
-the reason, out of the summary and the comparisons. A vLLM client's run saved with --save-detailed keeps its requests
+of requests, with this server's over vLLM's (a bound where vLLM met it at no rate measured). A GuideLLM run that sent
+its requests late (a burst, not the rate it names) stays in the file's runs with the reason, out of the summary and
+the comparisons. A vLLM client's run saved with --save-detailed keeps its requests
 in the file's runs: when each went out and its TTFT, to see which arrivals made the tail.
 """
 
@@ -194,7 +195,31 @@ def comparisons(rows: list[dict]) -> dict:
             and r["slo_attainment"] >= SLO_SHARE
         ]
         highest[server] = max(met, default=None)
-    return {"at_rates": at_rates, f"highest_rate_{int(SLO_SHARE * 100)}pct_slo": highest}
+    return {
+        "at_rates": at_rates,
+        f"highest_rate_{int(SLO_SHARE * 100)}pct_slo": highest,
+        f"highest_rate_{int(SLO_SHARE * 100)}pct_slo_over_vllm": rate_over_vllm(rows, highest),
+    }
+
+
+def rate_over_vllm(rows: list[dict], highest: dict) -> dict:
+    """Each of this server's highest rates in the SLO over vLLM's: {"ratio", "more_than"}, None where this server met
+    the share at no rate measured. Where vLLM met it at none, its own lies below the lowest rate measured, so the
+    ratio is more than this server's over that lowest rate ("more_than": True)."""
+    vllm_rates = [
+        r["rate"] for r in rows if r["server"] == "vllm" and (r["client"], r["workload"]) == ("vllm-bench", "random")
+    ]
+    ratios = {}
+    for server, rate in highest.items():
+        if not server.startswith("paged") or not vllm_rates:
+            continue
+        if rate is None:
+            ratios[server] = None
+        elif highest.get("vllm") is None:
+            ratios[server] = {"ratio": rate / min(vllm_rates), "more_than": True}
+        else:
+            ratios[server] = {"ratio": rate / highest["vllm"], "more_than": False}
+    return ratios
 
 
 def print_tables(rows: list[dict], compared: dict, runs: list[dict]) -> None:
@@ -226,6 +251,9 @@ def print_tables(rows: list[dict], compared: dict, runs: list[dict]) -> None:
         print(f"  {c['server']}, {c['client']}, {c['workload']}, {c['rate']:g} req/s: {checks}")
     highest = compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo"]
     print(f"highest rate measured with {SLO_SHARE:.0%} of requests in the SLO: {highest}")
+    for server, over in compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo_over_vllm"].items():
+        if over is not None:
+            print(f"  {server} over vllm: {'more than ' if over['more_than'] else ''}{over['ratio']:.2f}x")
     for run in runs:
         if run["left_out"] is not None:
             print(

@@ -17,8 +17,8 @@
 # BUDGETS (empty by default) also runs this server at each of these token budgets, as `paged-b<N>` in the same
 # rounds (`--max-num-batched-tokens N`): the sweep behind the budget it sizes for itself, e.g.
 #   WORKLOADS=random RATES="1 2 4" BUDGETS="128 384 512 1024" make bench-serve
-# NUM_PROMPTS sets how many requests each run sends (all but the prefix workload's 32; by default 16 a run below one
-# request per second, 24 from one up): a longer run of a rate, e.g.
+# NUM_PROMPTS sets how many requests each run sends (all but the prefix workload's 32; by default 32, enough for a p99
+# and a 90 % SLO share to mean something, about 70 minutes for the whole run on 2 cores): a longer run of a rate, e.g.
 #   WORKLOADS=random RATES=1 NUM_PROMPTS=64 OUT_JSON=benchmarks/results/serve_vs_vllm_1rps_64.json make bench-serve
 # vLLM's client saves every request's send time and TTFT (--save-detailed), which serve_compare.py keeps.
 # Each server runs as its own documentation sets it up on a CPU: this one with its defaults (chunked prefill under a
@@ -79,9 +79,7 @@ start_paged() {   # start_paged LOG [ARGS...]: this server, its console in LOG, 
   grep "^token budget" "$log" || true
 }
 
-num_prompts() {   # enough arrivals for a tail at each rate, without an hour at the slowest; NUM_PROMPTS sets it
-  if [ -n "${NUM_PROMPTS:-}" ]; then echo "$NUM_PROMPTS"; else awk -v rate="$1" 'BEGIN { print (rate < 1 ? 16 : 24) }'; fi
-}
+NUM_PROMPTS=${NUM_PROMPTS:-32}
 
 # Every run of a round has prompts of its own (its own seed), or a server would find a run's prompts in its prefix
 # cache from an earlier run; each server gets the same prompts in the same run.
@@ -101,7 +99,7 @@ load() {   # load NAME ROUND: every workload of WORKLOADS against the server on 
     seed=$((seed + 1))
     runs random || continue
     echo "-- $name, round $round, random prompts, $rate req/s"
-    vllm_client "$name" "$round" random "$rate" "$seed" --dataset-name random --num-prompts "$(num_prompts "$rate")" \
+    vllm_client "$name" "$round" random "$rate" "$seed" --dataset-name random --num-prompts "$NUM_PROMPTS" \
       --random-input-len 320 --random-output-len 96 --random-range-ratio 0.6
   done
   if runs prefix; then
@@ -118,7 +116,7 @@ load() {   # load NAME ROUND: every workload of WORKLOADS against the server on 
     runs sharegpt || continue
     echo "-- $name, round $round, ShareGPT-like conversations (not ShareGPT), $rate req/s"
     vllm_client "$name" "$round" sharegpt "$rate" "$sharegpt_seed" --dataset-name sharegpt \
-      --dataset-path "$SHAREGPT_FILE" --num-prompts "$(num_prompts "$rate")"
+      --dataset-path "$SHAREGPT_FILE" --num-prompts "$NUM_PROMPTS"
   done
   if [ "$round" = 1 ] && runs guidellm && [ -x "$GUIDELLM" ]; then
     local guidellm_seed=300
@@ -134,7 +132,7 @@ load() {   # load NAME ROUND: every workload of WORKLOADS against the server on 
         --backend "kind=openai_http,target=http://127.0.0.1:$PORT,model=smollm2" \
         --profile "kind=constant,rate=$rate" --data "kind=synthetic_text,prompt_tokens=320,output_tokens=96" \
         --seed "kind=static,value=$guidellm_seed" --tokenizer "kind=hf_auto,model=$MODEL_DIR" \
-        --constraint "kind=max_requests,count=$(num_prompts "$rate")" \
+        --constraint "kind=max_requests,count=$NUM_PROMPTS" \
         --output "kind=json,path=${name}_guidellm_synthetic_${rate}_r1.json" \
         >/dev/null 2>"${name}_guidellm_synthetic_${rate}_r1.log") ||
         echo "GuideLLM failed (its log: $OUT/${name}_guidellm_synthetic_${rate}_r1.log)"
@@ -145,7 +143,7 @@ load() {   # load NAME ROUND: every workload of WORKLOADS against the server on 
       echo "-- $name, serve_bench.py, ShareGPT-like prompts, $rate req/s"
       seed=$((seed + 1))
       taskset -c "$CORES" $PY benchmarks/serve_bench.py --base-url "http://127.0.0.1:$PORT" --model smollm2 \
-        --request-rate "$rate" --seed "$seed" --num-prompts "$(num_prompts "$rate")" --max-input-len 512 --max-output-len 128 \
+        --request-rate "$rate" --seed "$seed" --num-prompts "$NUM_PROMPTS" --max-input-len 512 --max-output-len 128 \
         --slo-ttft "$(awk "BEGIN { print $SLO_TTFT_MS / 1000 }")" --slo-tpot "$(awk "BEGIN { print $SLO_TPOT_MS / 1000 }")" \
         --label "$name" --result-json "$OUT/${name}_serve-bench_sharegpt_${rate}_r1.json" | grep -E "^(output|TTFT p99|ITL p99|goodput)" || true
     done
@@ -190,5 +188,5 @@ cpu="$(awk -F': ' '/^model name/ { print $2; exit }' /proc/cpuinfo), $(nproc) co
 $PY benchmarks/serve_compare.py "$OUT" --out "$OUT_JSON" \
   --how "cpu=$cpu" "paged_token_budget=${sized:-given on the command line}" "cores=$CORES" \
   "paged=taskset -c $CORES $PAGED_COMMAND" "vllm=$VLLM_ENV taskset -c $CORES $VLLM_COMMAND" \
-  "rounds=$ROUNDS (A B A B)" "num_prompts=${NUM_PROMPTS:-16 a run below 1 req/s, 24 from 1 req/s up, 32 for prefix}" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
+  "rounds=$ROUNDS (A B A B)" "num_prompts=$NUM_PROMPTS a run (32 for prefix)" "slo=TTFT <= $SLO_TTFT_MS ms and TPOT <= $SLO_TPOT_MS ms" "workloads=$WORKLOADS" \
   "budgets=${BUDGETS:-}"

@@ -86,6 +86,7 @@ def test_every_client_in_seconds_rounds_averaged_and_servers_compared_rate_by_ra
     assert at[1.0]["itl p99 ratio"] == pytest.approx(0.6)
     assert at[4.0]["itl p99 <= vllm"] and not at[4.0]["ttft p99 <= vllm"]
     assert compared["highest_rate_90pct_slo"] == {"paged": None, "vllm": 4.0}  # 19 of 20 met at 4 req/s
+    assert compared["highest_rate_90pct_slo_over_vllm"] == {"paged": None}
     sharegpt = next(c for c in compared["at_rates"] if c["workload"] == "sharegpt")  # beside serve_bench.py's run
     assert sharegpt["client"] == "vllm-bench" and sharegpt["rate"] == 2.0 and sharegpt["itl p99 <= vllm"]
     assert not sharegpt["ttft p99 <= vllm"] and sharegpt["itl p99 ratio"] == pytest.approx(0.5)
@@ -171,5 +172,24 @@ def test_a_budget_sweep_compares_each_budget_with_vllm(serve_compare, tmp_path, 
     assert not by_server["paged"]["ttft p99 <= vllm"] and by_server["paged-b512"]["ttft p99 <= vllm"]
     assert by_server["paged-b512"]["output tok/s >= vllm"] and not by_server["paged"]["output tok/s >= vllm"]
     assert compared["highest_rate_90pct_slo"] == {"paged": None, "paged-b512": 2.0, "vllm": 2.0}
+    assert compared["highest_rate_90pct_slo_over_vllm"] == {
+        "paged": None,
+        "paged-b512": {"ratio": 1.0, "more_than": False},
+    }
     serve_compare.print_tables(rows, compared, [])
     assert "paged-b512, vllm-bench, random, 2 req/s: goodput >= vllm yes" in capsys.readouterr().out
+
+
+def test_where_vllm_met_the_slo_share_at_no_rate_the_ratio_is_a_bound_from_the_lowest_rate(
+    serve_compare, tmp_path, capsys
+):
+    for rate, met_paged, met_vllm in ((0.25, 2.0, 1.0), (0.5, 2.0, 1.0), (1, 0.5, 0.5)):  # of 20 requests a run
+        write(tmp_path, f"paged_vllm-bench_random_{rate}_r1", vllm_bench(1000, 200, 100, met_paged))
+        write(tmp_path, f"vllm_vllm-bench_random_{rate}_r1", vllm_bench(1000, 200, 100, met_vllm))
+    rows = serve_compare.average(serve_compare.read_runs(tmp_path))
+    compared = serve_compare.comparisons(rows)
+    assert compared["highest_rate_90pct_slo"] == {"paged": 0.5, "vllm": None}
+    # vLLM's rate lies below 0.25 req/s, the lowest measured, so this server's 0.5 is more than twice it
+    assert compared["highest_rate_90pct_slo_over_vllm"] == {"paged": {"ratio": 2.0, "more_than": True}}
+    serve_compare.print_tables(rows, compared, [])
+    assert "paged over vllm: more than 2.00x" in capsys.readouterr().out
