@@ -11,8 +11,8 @@ of the two servers at each rate, then the comparisons the benchmark exists for: 
 TTFT p99, ITL p99 and output throughput against vLLM's, and the highest rate at which each still met the SLO for 90 %
 of requests, with this server's over vLLM's (a bound where vLLM met it at no rate measured). A GuideLLM run that sent
 its requests late (a burst, not the rate it names) stays in the file's runs with the reason, out of the summary and
-the comparisons. A vLLM client's run saved with --save-detailed keeps its requests
-in the file's runs: when each went out and its TTFT, to see which arrivals made the tail.
+the comparisons. A vLLM client's run saved with --save-detailed keeps its requests in the file's runs: when each went
+out and its TTFT, to see which arrivals made the tail.
 """
 
 import argparse
@@ -35,6 +35,7 @@ FIGURES = (
     "failures",
 )
 SLO_SHARE = 0.9  # DistServe's goodput: the highest rate at which this share of requests meets the SLO
+HIGHEST = f"highest_rate_{int(SLO_SHARE * 100)}pct_slo"  # the comparisons' key for it
 LATE_S = 1.0  # a request sent this much after its arrival time: the client did not offer the rate it was asked for
 
 
@@ -184,31 +185,22 @@ def comparisons(rows: list[dict]) -> dict:
                 "ttft p99 ratio": paged["ttft_p99"] / vllm["ttft_p99"],
             }
         )
-    highest = {}
-    for server in sorted({r["server"] for r in rows}):
-        met = [
-            r["rate"]
-            for r in rows
-            if r["server"] == server
-            and r["client"] == "vllm-bench"
-            and r["workload"] == "random"
-            and r["slo_attainment"] >= SLO_SHARE
-        ]
-        highest[server] = max(met, default=None)
-    return {
-        "at_rates": at_rates,
-        f"highest_rate_{int(SLO_SHARE * 100)}pct_slo": highest,
-        f"highest_rate_{int(SLO_SHARE * 100)}pct_slo_over_vllm": rate_over_vllm(rows, highest),
+    random = [r for r in rows if (r["client"], r["workload"]) == ("vllm-bench", "random")]
+    highest = {
+        server: max(
+            (r["rate"] for r in random if r["server"] == server and r["slo_attainment"] >= SLO_SHARE), default=None
+        )
+        for server in sorted({r["server"] for r in rows})
     }
+    return {"at_rates": at_rates, HIGHEST: highest, f"{HIGHEST}_over_vllm": rate_over_vllm(random, highest)}
 
 
-def rate_over_vllm(rows: list[dict], highest: dict) -> dict:
-    """Each of this server's highest rates in the SLO over vLLM's: {"ratio", "more_than"}, None where this server met
-    the share at no rate measured. Where vLLM met it at none, its own lies below the lowest rate measured, so the
-    ratio is more than this server's over that lowest rate ("more_than": True)."""
-    vllm_rates = [
-        r["rate"] for r in rows if r["server"] == "vllm" and (r["client"], r["workload"]) == ("vllm-bench", "random")
-    ]
+def rate_over_vllm(random: list[dict], highest: dict) -> dict:
+    """Each of this server's highest rates in the SLO over vLLM's, from the random prompts' rows: {"ratio",
+    "more_than"}, None where this server met the share at no rate measured. Where vLLM met it at none, its own lies
+    below the lowest rate measured, so the ratio is more than this server's over that lowest rate
+    ("more_than": True)."""
+    vllm_rates = [r["rate"] for r in random if r["server"] == "vllm"]
     ratios = {}
     for server, rate in highest.items():
         if not server.startswith("paged") or not vllm_rates:
@@ -249,9 +241,8 @@ def print_tables(rows: list[dict], compared: dict, runs: list[dict]) -> None:
             for name in ("goodput >= vllm", "ttft p99 <= vllm", "itl p99 <= vllm", "output tok/s >= vllm")
         )
         print(f"  {c['server']}, {c['client']}, {c['workload']}, {c['rate']:g} req/s: {checks}")
-    highest = compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo"]
-    print(f"highest rate measured with {SLO_SHARE:.0%} of requests in the SLO: {highest}")
-    for server, over in compared[f"highest_rate_{int(SLO_SHARE * 100)}pct_slo_over_vllm"].items():
+    print(f"highest rate measured with {SLO_SHARE:.0%} of requests in the SLO: {compared[HIGHEST]}")
+    for server, over in compared[f"{HIGHEST}_over_vllm"].items():
         if over is not None:
             print(f"  {server} over vllm: {'more than ' if over['more_than'] else ''}{over['ratio']:.2f}x")
     for run in runs:
